@@ -1,0 +1,20 @@
+"""The compiler passes of zeropp, in the order they run. One pass per file.
+
+Each entry can be switched off by name (Config.disable_passes, or `zeropp --disable-pass`);
+`zeropp passes` lists them with their one-line summaries.
+"""
+
+from .base import STAGES, GraphPass, PassContext
+from .lower_collectives import lower_collectives
+from .quantize_weights import quantize_weights
+from .reshard_after_forward import reshard_after_forward
+
+PASSES: tuple[GraphPass, ...] = (
+    GraphPass("reshard_after_forward", "joint", reshard_after_forward,
+              wanted=lambda config: config.reshard_after_forward),
+    GraphPass("quantize_weights", "lowering", quantize_weights,
+              wanted=lambda config: config.quantized_weights),
+    GraphPass("lower_collectives", "lowering", lower_collectives),
+)
+
+__all__ = ["PASSES", "STAGES", "GraphPass", "PassContext"]

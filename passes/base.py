@@ -1,0 +1,39 @@
+"""What every pass is: a named function over an FX graph, run at one stage of compilation.
+
+Stages, in order:
+- "joint": the AOTAutograd joint graph (forward + backward), before partitioning; passes here
+  decide what forward saves for backward.
+- "lowering": each partitioned graph (forward, backward, or inference); passes here replace the
+  zpp IR ops by quantized, hierarchical or plain functional collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.fx as fx
+
+STAGES = ("joint", "lowering")
+
+
+@dataclass(frozen=True)
+class PassContext:
+    config: Any  # zpp_compile.Config
+    topology: Any  # zpp_compile.runtime.topology.Topology
+    graph_name: str  # e.g. "g0.backward"
+    kind: str  # "joint", "forward", "backward" or "inference"
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    name: str
+    stage: str
+    run: Callable[[fx.Graph, PassContext], None]
+    # Whether the configuration asks for this pass at all (switching off by name is separate).
+    wanted: Callable[[Any], bool] = lambda config: True
+
+    @property
+    def summary(self) -> str:
+        """The first line of the pass function's docstring."""
+        return (self.run.__doc__ or "").strip().splitlines()[0]

@@ -1,0 +1,43 @@
+"""Small FX helpers shared by the passes."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def nodes_calling(graph: fx.Graph, op: Any) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is op]
+
+
+def is_backward(graph: fx.Graph) -> bool:
+    """AOTAutograd names the incoming gradients of a backward (or joint) graph tangents_*."""
+    return any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
+
+
+def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.Tensor], *args: Any) -> fx.Node:
+    """Replaces `node` by the aten ops of `fn(*args)`, traced on the args' fake values.
+
+    `args` are fx Nodes (standing for their tensors) or constants. The inserted nodes carry
+    "val" metadata like the rest of the graph. Returns the node holding fn's result.
+    """
+    tensor_args = [a for a in args if isinstance(a, fx.Node)]
+
+    def with_constants(*tensors: torch.Tensor) -> torch.Tensor:
+        it = iter(tensors)
+        return fn(*(next(it) if isinstance(a, fx.Node) else a for a in args))
+
+    values = [a.meta["val"] for a in tensor_args]
+    with detect_fake_mode(values):
+        traced = make_fx(with_constants)(*values)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(node):
+        result = graph.graph_copy(traced.graph, dict(zip(placeholders, tensor_args)))
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return result
+

@@ -1,0 +1,28 @@
+"""The collectives zeropp issues, as `torch.ops._c10d_functional` calls.
+
+The IR ops run these eagerly, and the lowering passes trace the same functions into the compiled
+graphs, so eager and compiled runs issue identical collectives and Inductor sees ordinary
+functional collectives it knows how to schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_c10d = torch.ops._c10d_functional
+
+
+def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Every member's `x` concatenated along dim 0, in group rank order."""
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), group_size, group_name))
+
+
+def reduce_scatter_sum(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Chunk `rank` (of `group_size` equal chunks along dim 0) of the sum of every member's `x`."""
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", group_size, group_name))
+
+
+def all_to_all(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Chunk i of `x` (equal chunks along dim 0) goes to member i; received chunks in rank order."""
+    splits = [x.shape[0] // group_size] * group_size
+    return _c10d.wait_tensor(_c10d.all_to_all_single(x.contiguous(), splits, splits, group_name))

@@ -1,0 +1,91 @@
+"""The IR of zeropp: "gather this parameter" and "reduce this gradient" as torch.library ops.
+
+Sharding makes every parameter access call `zpp::all_gather_param`; its autograd formula calls
+`zpp::reduce_grad`. Traced by torch.compile, the joint graph therefore holds one gather per
+parameter use in forward and one reduction per gradient in backward, found by op identity. Passes
+rewrite them (quantized, hierarchical) or lower them to plain functional collectives; run eagerly,
+they are plain ZeRO-3, the numerical reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import weight_quant  # noqa: F401  (registers zpp::quantize_weight, zpp::dequantize_weight)
+from .collectives import all_gather, reduce_scatter_sum
+
+
+def gather_param(
+    shard: torch.Tensor, shard_size: int, group_size: int, group_name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Every rank's shard, cast to `dtype` and padded to `shard_size`, concatenated (flat)."""
+    padded = F.pad(shard.to(dtype), (0, shard_size - shard.numel()))
+    return all_gather(padded, group_size, group_name)
+
+
+def gather_param_quantized(
+    shard: torch.Tensor, shard_size: int, group_size: int, group_name: str, dtype: torch.dtype, block_size: int
+) -> torch.Tensor:
+    """`gather_param` through INT8: each rank quantizes its (full-precision) shard in blocks,
+    the packed codes and scales travel in one all-gather, and every chunk is dequantized."""
+    packed = torch.ops.zpp.quantize_weight(F.pad(shard, (0, shard_size - shard.numel())), block_size)
+    return torch.ops.zpp.dequantize_weight(all_gather(packed, group_size, group_name), shard_size, block_size, dtype)
+
+
+def reduce_grad_mean(
+    grad: torch.Tensor, shard_numel: int, group_size: int, group_name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's shard (its first `shard_numel` elements) of the mean of `grad` over the group."""
+    shard = reduce_scatter_sum(grad.to(dtype), group_size, group_name) / group_size
+    return shard[:shard_numel]
+
+
+@torch.library.custom_op("zpp::all_gather_param", mutates_args=())
+def all_gather_param(
+    shard: torch.Tensor,
+    shard_size: int,
+    group_size: int,
+    group_name: str,
+    dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    sharding_id: int,
+) -> torch.Tensor:
+    """Gathers a flat parameter from its shards; its gradient is reduced in `reduce_dtype`.
+
+    `sharding_id` names the `shard` call the parameter belongs to, so the backend finds its
+    settings, and Dynamo, which guards on it, recompiles for a model sharded differently.
+    """
+    return gather_param(shard, shard_size, group_size, group_name, dtype)
+
+
+@all_gather_param.register_fake
+def _(shard, shard_size, group_size, group_name, dtype, reduce_dtype, sharding_id):
+    return shard.new_empty(shard_size * group_size, dtype=dtype)
+
+
+@torch.library.custom_op("zpp::reduce_grad", mutates_args=())
+def reduce_grad(
+    grad: torch.Tensor, shard_numel: int, group_size: int, group_name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's shard of the mean gradient over the group, computed in `dtype`."""
+    return reduce_grad_mean(grad, shard_numel, group_size, group_name, dtype)
+
+
+@reduce_grad.register_fake
+def _(grad, shard_numel, group_size, group_name, dtype):
+    return grad.new_empty(shard_numel, dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    shard, _, group_size, group_name, _, reduce_dtype, _ = inputs
+    ctx.shard_numel, ctx.shard_dtype = shard.numel(), shard.dtype
+    ctx.group_size, ctx.group_name, ctx.reduce_dtype = group_size, group_name, reduce_dtype
+
+
+def _backward(ctx, grad):
+    shard_grad = reduce_grad(grad, ctx.shard_numel, ctx.group_size, ctx.group_name, ctx.reduce_dtype)
+    return shard_grad.to(ctx.shard_dtype), None, None, None, None, None, None
+
+
+all_gather_param.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,46 @@
+"""The runtime registry: the one piece of process-wide mutable state in zeropp, kept explicit.
+
+It remembers what outlives a single call: the process groups built for each topology (creating
+them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
+what settings, the module classes that gather their parameters, and the collectives each compiled
+graph issues (the communication ledger).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .topology import Topology
+
+
+@dataclass(frozen=True)
+class ShardingState:
+    """What `shard` decided for one model: its settings and where its ranks sit."""
+
+    config: Any  # zpp_compile.Config
+    topology: Topology
+
+
+@dataclass
+class Registry:
+    topologies: dict[tuple, Topology] = field(default_factory=dict)
+    states: list[ShardingState] = field(default_factory=list)  # indexed by sharding id
+    models: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    params: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # shard -> state
+    gathering_classes: dict[tuple[type, frozenset[str]], type] = field(default_factory=dict)
+    ledger: list = field(default_factory=list)  # zpp_compile.ledger.GraphComm, in compile order
+    graph_ids: itertools.count = field(default_factory=itertools.count)
+
+    def add_state(self, state: ShardingState) -> int:
+        """Registers the state of one `shard` call; returns its sharding id."""
+        self.states.append(state)
+        return len(self.states) - 1
+
+
+REGISTRY = Registry()

@@ -1,0 +1,98 @@
+"""Where every rank sits (node, local index) and the process groups ZeRO++ communicates over.
+
+Ranks are numbered node by node, as torchrun numbers them: rank = node * ranks_per_node + local.
+Groups, each created with the configured timeout so a dead peer raises instead of hanging:
+
+- world: all ranks (parameter gathers, plain gradient reduce-scatter);
+- intra_node: the ranks of this rank's node (qgZ's first hop);
+- inter_node: the ranks with this rank's local index on every node (qgZ's second hop);
+- secondary: hpZ's group of `hpz_partition_size` consecutive ranks, when hpZ is on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group as passes see it: its name for functional collectives, and its members."""
+
+    name: str
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    device: torch.device
+    world: Group
+    intra_node: Group
+    inter_node: Group
+    secondary: Group | None
+    mesh: DeviceMesh  # 1-D mesh over `world`, for the DTensor shards
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def peers_by_link(self, group: Group) -> tuple[int, int]:
+        """How many other members of `group` are on this rank's node, and how many are not."""
+        node = self.node_of(self.rank)
+        same = sum(1 for r in group.ranks if r != self.rank and self.node_of(r) == node)
+        return same, group.size - 1 - same
+
+
+def launcher_ranks_per_node(world_size: int) -> int:
+    """Ranks per node as the launcher reports it (torchrun's LOCAL_WORLD_SIZE); the world otherwise."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: float) -> Topology:
+    """Creates the process groups (torch.distributed must be initialized).
+
+    A collective call: every rank makes it, with equal arguments.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    timeout = timedelta(seconds=timeout_s)
+    num_nodes = world_size // ranks_per_node
+
+    def my_group(rank_lists: list[list[int]]) -> tuple[Group, dist.ProcessGroup]:
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        mine = None
+        for ranks in rank_lists:
+            pg = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine = Group(pg.group_name, tuple(ranks)), pg
+        return mine
+
+    world, world_pg = my_group([list(range(world_size))])
+    intra, _ = my_group([list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(num_nodes)])
+    inter, _ = my_group([list(range(l, world_size, ranks_per_node)) for l in range(ranks_per_node)])
+    secondary = None
+    if hpz_partition_size:
+        size = hpz_partition_size
+        secondary, _ = my_group([list(range(k * size, (k + 1) * size)) for k in range(world_size // size)])
+
+    backend = dist.get_backend()
+    if backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    mesh = DeviceMesh.from_group(world_pg, device.type)
+    return Topology(rank, world_size, ranks_per_node, device, world, intra, inter, secondary, mesh)

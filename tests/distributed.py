@@ -1,0 +1,83 @@
+"""Runs a test function on N ranks, one process each, like torchrun would.
+
+CPU runs use gloo. With ZPP_TEST_BACKEND=nccl (the GPU machine) each rank uses NCCL and GPU
+`rank`, so the same tests run on both.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BACKEND = os.environ.get("ZPP_TEST_BACKEND", "gloo")
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+    """fn(rank, world_size, *args) on every rank; returns the ranks' results in rank order.
+
+    A rank that raises fails the test with its traceback; ranks that do not finish within
+    `timeout_s` are killed and the test fails.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    procs = [
+        context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+    try:
+        while len(outcome) < world_size:
+            rank, status, value = results.get(timeout=timeout_s)
+            outcome[rank] = (status, value)
+            if status == "error":
+                break
+    except queue.Empty:
+        raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(outcome))} did not finish in {timeout_s}s")
+    finally:
+        for p in procs:
+            p.join(timeout=30 if len(outcome) == world_size else 1)
+            if p.is_alive():
+                p.kill()
+    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcome.items()) if s == "error"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [outcome[r][1] for r in range(world_size)]
+
+
+def _rank_main(fn, rank, world_size, port, results, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    if BACKEND == "nccl":
+        torch.cuda.set_device(rank)
+    try:
+        dist.init_process_group(BACKEND, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,259 @@
+"""qwZ weight quantization: Triton kernels (interpreter on CPU) vs torch twins vs float64 math.
+
+Every check compares against something computed independently: the Triton kernel against the
+torch twin (two implementations of one formula), both against float64 arithmetic or against
+values written out from the spec.
+"""
+
+import math
+
+import pytest
+import torch
+
+from zpp_compile.runtime import weight_quant as wq
+
+# The interpreter computes inf * 0 in non-finite blocks (the result is overwritten) and numpy warns.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+needs_triton = pytest.mark.skipif(not wq.HAS_TRITON, reason="triton not installed")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BITS = {4: torch.int32, 2: torch.int16}
+# Slack on the half-step error bound, in quantization steps: 127/absmax, x*inv, the scale and
+# code*scale are each rounded once (relative error <= 2**-24), which moves the result by at
+# most ~127 * 4 * 2**-24 = 3.0e-5 steps; 2**-14 = 6.1e-5 covers it with room.
+STEP_SLACK = 2.0**-14
+
+
+def weights(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random finite weights whose magnitude varies a lot from one 32-element group to the next."""
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.exp(2 * torch.randn(n // 32 + 1, generator=g)).repeat_interleave(32)[:n]
+    x = torch.randn(n, generator=g) * groups
+    return x.clamp(-3e4, 3e4).to(dtype)  # finite in float16 too
+
+
+def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bit-for-bit equality; NaN counts as equal to NaN (torch's own casts pick NaN payloads)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan())
+    bits = BITS[a.element_size()]
+    assert torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
+
+
+def unpack(packed: torch.Tensor, n: int, B: int):
+    """Codes [nb, B] as int64 and scales [nb] as float64 from one packed chunk (spec layout)."""
+    nb = math.ceil(n / B)
+    assert packed.numel() == nb * B + 4 * nb
+    codes = packed[: nb * B].view(torch.int8).long().view(nb, B)
+    scales = packed[nb * B :].clone().view(torch.float32).double()
+    return codes, scales
+
+
+def float64_scales(x: torch.Tensor, B: int) -> torch.Tensor:
+    """absmax/127 per block in float64 (finite blocks only)."""
+    n = x.numel()
+    nb = math.ceil(n / B)
+    x64 = torch.nn.functional.pad(x.double(), (0, nb * B - n)).view(nb, B)
+    return x64.abs().amax(dim=1) / 127
+
+
+def test_packed_weight_bytes():
+    assert wq.packed_weight_bytes(1, 64) == 64 + 4
+    assert wq.packed_weight_bytes(64, 64) == 64 + 4
+    assert wq.packed_weight_bytes(65, 64) == 128 + 8
+    assert wq.packed_weight_bytes(4097, 256) == 17 * 256 + 17 * 4
+    assert all(wq.packed_weight_bytes(n, B) % 4 == 0 for n in range(1, 300) for B in (32, 36, 64))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B", [64, 256, 2048])
+@pytest.mark.parametrize("n", [1, 7, 255, 4097])
+def test_triton_matches_twin(dtype, B, n):
+    x = weights(n, dtype, seed=n + B)
+    if n > 200:  # a non-finite block among normal ones, and an all-zero block
+        x[5], x[6], x[7] = float("nan"), float("inf"), float("-inf")
+        if n >= 2 * B:
+            x[B : 2 * B] = 0
+    ept = 256 if n % 2 else None  # small tiles: many programs, masked rows in the last one
+    ref = wq.quantize_weight_reference(x, B)
+    tri = wq.quantize_weight_triton(x, B, elems_per_program=ept)
+    assert torch.equal(ref, tri)
+
+    # Two chunks, as after an all-gather of two ranks' shards.
+    packed = torch.cat([ref, wq.quantize_weight_reference(weights(n, dtype, seed=7), B)])
+    for out_dtype in {dtype, torch.float32}:
+        assert_same_values(
+            wq.dequantize_weight_reference(packed, n, B, out_dtype),
+            wq.dequantize_weight_triton(packed, n, B, out_dtype, elems_per_program=ept),
+        )
+
+
+@pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B", [32, 128, 1024])
+def test_error_within_half_step(impl, dtype, B):
+    quant = wq.quantize_weight_reference if impl == "twin" else wq.quantize_weight_triton
+    dequant = wq.dequantize_weight_reference if impl == "twin" else wq.dequantize_weight_triton
+    n = 3001
+    x = weights(n, dtype, seed=B)
+    packed = quant(x, B)
+    codes, scales = unpack(packed, n, B)
+    scale64 = float64_scales(x, B)
+
+    # The stored scale is absmax/127 correctly rounded to float32 (float64 -> float32 rounding
+    # of a quotient by 127 cannot hit a float32 tie: its binary expansion repeats every 7 bits).
+    assert torch.equal(scales.float(), scale64.float())
+    assert codes.min() >= -127 and codes.max() <= 127  # -128 is reserved for NaN
+
+    # Every code is the nearest integer to x/scale, and the dequantized value is within half a
+    # step of the float64 input (plus the rounding slack justified at the top of this file).
+    x64 = torch.nn.functional.pad(x.double(), (0, codes.numel() - n)).view_as(codes)
+    assert ((codes - x64 / scale64[:, None]).abs() <= 0.5 + STEP_SLACK).all()
+    y = dequant(packed, n, B, torch.float32).double()
+    err = (y - x.double()).view(-1)
+    bound = (scale64[:, None] * (0.5 + STEP_SLACK)).expand(-1, B).reshape(-1)[:n]
+    assert (err.abs() <= bound).all()
+    # Output in the input's dtype is the float32 result rounded by torch's own cast.
+    assert_same_values(dequant(packed, n, B, dtype), y.float().to(dtype))
+
+
+@pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
+def test_round_half_to_even(impl):
+    quant = wq.quantize_weight_reference if impl == "twin" else wq.quantize_weight_triton
+    # absmax 127 makes scale = inv = 1, so k + 0.5 is an exact tie.
+    x = torch.tensor([127.0] + [k + 0.5 for k in range(-20, 20)] + [-126.5, 126.5])
+    codes, scales = unpack(quant(x, 64), x.numel(), 64)
+    assert scales.tolist() == [1.0]
+    expected = [round(v) for v in x.tolist()]  # Python rounds half to even
+    assert codes.view(-1)[: x.numel()].tolist() == expected
+    assert codes.view(-1)[x.numel() :].eq(0).all()  # padding codes are 0
+
+
+@pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_and_nonfinite_blocks(impl, dtype):
+    quant = wq.quantize_weight_reference if impl == "twin" else wq.quantize_weight_triton
+    dequant = wq.dequantize_weight_reference if impl == "twin" else wq.dequantize_weight_triton
+    B = 32
+    x = weights(6 * B, dtype, seed=3)
+    x[0:B] = 0  # block 0: all zero
+    x[B + 1], x[B + 2], x[B + 3] = float("inf"), float("-inf"), float("nan")  # block 1
+    x[2 * B + 5] = float("nan")  # block 2: NaN only
+    x[3 * B + 7] = float("-inf")  # block 3: -inf only
+    x[4 * B : 5 * B] = torch.tensor(1e-37).to(dtype)  # block 4: below 2**-119 (fp32 only)
+    # block 5: normal
+
+    packed = quant(x, B)
+    codes, scales = unpack(packed, x.numel(), B)
+    assert scales[0] == 0 and codes[0].eq(0).all()
+    assert scales[1:4].isinf().all() and (scales[1:4] > 0).all()
+    assert codes[1, 1:4].tolist() == [127, -127, -128]
+    assert codes[1, [0] + list(range(4, B))].eq(0).all()  # finite values in an inf block -> 0
+    assert codes[2, 5] == -128 and codes[3, 7] == -127
+    assert scales[4] == 0 and codes[4].eq(0).all()  # flushed (fp32, bf16) or exactly 0 (fp16)
+    assert math.isfinite(scales[5]) and scales[5] > 0
+
+    for out_dtype in (dtype, torch.float32):
+        y = dequant(packed, x.numel(), B, out_dtype).float()
+        assert y[:B].eq(0).all() and not y[:B].signbit().any()
+        infs = x.float().isinf()
+        assert torch.equal(y.isnan(), x.float().isnan())  # NaN stays NaN, no new NaN anywhere
+        assert torch.equal(y.isinf(), infs) and torch.equal(y[infs], x.float()[infs])
+        assert y[B : 4 * B][torch.isfinite(x[B : 4 * B].float())].eq(0).all()
+        assert y[4 * B : 5 * B].eq(0).all()
+        assert torch.isfinite(y[5 * B :]).all() and y[5 * B :].ne(0).any()
+
+
+@pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
+def test_dequantize_inf_block_code_table(impl):
+    """Hand-made packed bytes: in an inf-scale block -128 -> NaN, +-127 -> +-inf, others -> 0."""
+    dequant = wq.dequantize_weight_reference if impl == "twin" else wq.dequantize_weight_triton
+    B = 32
+    codes = torch.zeros(2, B, dtype=torch.int8)
+    codes[0, :5] = torch.tensor([-128, 127, -127, 5, 0], dtype=torch.int8)
+    codes[1, :3] = torch.tensor([-127, 3, 127], dtype=torch.int8)
+    scales = torch.tensor([float("inf"), 0.5])
+    packed = torch.cat([codes.view(-1).view(torch.uint8), scales.view(torch.uint8)])
+    y = dequant(packed, 2 * B, B, torch.float32)
+    assert y[0].isnan() and y[1] == float("inf") and y[2] == float("-inf")
+    assert y[3:B].eq(0).all()
+    assert y[B : B + 3].tolist() == [-63.5, 1.5, 63.5] and y[B + 3 :].eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_ops_round_trip_chunks(dtype):
+    B, n, R = 128, 1000, 3  # n not a multiple of B: every chunk carries padding
+    shards = [weights(n, dtype, seed=10 + r) for r in range(R)]
+    packed = torch.cat([torch.ops.zpp.quantize_weight(s, B) for s in shards])
+    assert packed.dtype == torch.uint8 and packed.numel() == R * wq.packed_weight_bytes(n, B)
+
+    y = torch.ops.zpp.dequantize_weight(packed, n, B, torch.float32)
+    assert y.shape == (R * n,)
+    x = torch.cat(shards).double()
+    bound = torch.cat([float64_scales(s, B).repeat_interleave(B)[:n] for s in shards]) * (0.5 + STEP_SLACK)
+    assert ((y.double() - x).abs() <= bound).all()
+    assert torch.equal(torch.ops.zpp.dequantize_weight(packed, n, B, dtype), y.to(dtype))
+    if wq.HAS_TRITON:  # an independent implementation of the same bytes
+        assert_same_values(y, wq.dequantize_weight_triton(packed, n, B, torch.float32))
+
+    # A packed buffer that starts at an odd byte offset of its storage (not 4-aligned).
+    base = torch.empty(packed.numel() + 1, dtype=torch.uint8)
+    base[1:] = packed
+    assert torch.equal(torch.ops.zpp.dequantize_weight(base[1:], n, B, torch.float32), y)
+    if wq.HAS_TRITON:
+        assert_same_values(wq.dequantize_weight_triton(base[1:], n, B, torch.float32), y)
+
+
+def test_fake_shapes_and_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(1001, dtype=torch.bfloat16)
+        p = torch.ops.zpp.quantize_weight(x, 256)
+        assert p.shape == (wq.packed_weight_bytes(1001, 256),) and p.dtype == torch.uint8
+        g = torch.empty(4 * p.numel(), dtype=torch.uint8)
+        y = torch.ops.zpp.dequantize_weight(g, 1001, 256, torch.float16)
+        assert y.shape == (4 * 1001,) and y.dtype == torch.float16
+
+    x = weights(300, torch.float32, seed=1)
+    p = wq.quantize_weight_reference(x, 64)
+    torch.library.opcheck(torch.ops.zpp.quantize_weight.default, (x, 64))
+    torch.library.opcheck(torch.ops.zpp.dequantize_weight.default, (torch.cat([p, p]), 300, 64, torch.bfloat16))
+
+
+def test_bad_arguments():
+    x = torch.randn(100)
+    with pytest.raises(ValueError):
+        wq.quantize_weight_reference(x, 30)  # not a multiple of 4
+    with pytest.raises(ValueError):
+        wq.quantize_weight_reference(x, 16)  # below 32
+    with pytest.raises(ValueError):
+        wq.quantize_weight_reference(x.view(10, 10), 64)
+    with pytest.raises(ValueError):
+        wq.quantize_weight_reference(x.double(), 64)
+    p = wq.quantize_weight_reference(x, 64)
+    with pytest.raises(ValueError):
+        wq.dequantize_weight_reference(p[:-4], 100, 64, torch.float32)
+    # A block size that is a multiple of 4 but no power of 2 works in the twin.
+    y = wq.dequantize_weight_reference(wq.quantize_weight_reference(x, 96), 100, 96, torch.float32)
+    assert ((y - x).abs() <= float64_scales(x, 96).repeat_interleave(96)[:100] * (0.5 + STEP_SLACK)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B", [64, 256, 2048])
+def test_cuda_kernels_match_twin(dtype, B):
+    """The compiled kernels (native bf16 cast, div_rn, no FMA fusion) against the CPU twin."""
+    n = (1 << 20) + 3
+    x = weights(n, dtype, seed=B)
+    x[11], x[12], x[13] = float("nan"), float("inf"), float("-inf")
+    packed = torch.ops.zpp.quantize_weight(x.cuda(), B)
+    assert torch.equal(packed.cpu(), wq.quantize_weight_reference(x, B))
+    gathered = torch.cat([packed, packed])
+    for out_dtype in {dtype, torch.float32}:
+        assert_same_values(
+            torch.ops.zpp.dequantize_weight(gathered, n, B, out_dtype).cpu(),
+            wq.dequantize_weight_reference(gathered.cpu(), n, B, out_dtype),
+        )

@@ -1,0 +1,121 @@
+"""The `zeropp` torch.compile backend.
+
+Dynamo hands over the FX graph of the user's step; AOTAutograd turns it into a joint
+forward + backward graph; the "joint" passes run on it before the min-cut partitioner splits it;
+the "lowering" passes run on each partitioned graph; Inductor compiles the result. The passes are
+attached through Inductor's public custom-pass hooks (`joint_custom_post_pass`,
+`post_grad_custom_pre_pass`), so Inductor keeps its own pipeline intact. With
+`Config.inductor=False` (debug mode) the same passes run under AOTAutograd alone and the
+rewritten graphs execute without Inductor.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import passes as passes_package
+from . import runtime as runtime_package
+from .config import Config
+from .pass_manager import PassManager
+from .runtime.registry import REGISTRY, ShardingState
+
+
+def zeropp_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
+) -> Callable[..., Any]:
+    """torch.compile backend: `torch.compile(model, backend="zeropp", options={...})`.
+
+    `options` overrides the model's Config for this compilation (same keys as Config).
+    """
+    state = _sharding_state(gm, example_inputs)
+    if state is None:  # a graph without parameters (e.g. the loss after a graph break)
+        config = Config.load(dict(options or {}))
+        return compile_fx(gm, example_inputs) if config.inductor else _aot_eager(gm, example_inputs, None)
+    config = state.config.updated(options) if options else state.config
+    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}")
+    if not config.inductor:
+        return _aot_eager(gm, example_inputs, manager)
+    return compile_fx(
+        gm,
+        example_inputs,
+        config_patches={
+            "joint_custom_post_pass": _StageHook(manager, "joint"),
+            "post_grad_custom_pre_pass": _StageHook(manager, "lowering"),
+        },
+    )
+
+
+def _sharding_state(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> ShardingState | None:
+    """The state of the sharded model whose parameters the graph gathers; errors on unsharded ones."""
+    gather = torch.ops.zpp.all_gather_param
+    ids = {n.args[-1] for n in gm.graph.nodes if n.op == "call_function" and n.target in (gather, gather.default)}
+    states = {i: REGISTRY.states[i] for i in ids}
+    unsharded = [t for t in example_inputs if isinstance(t, nn.Parameter) and t not in REGISTRY.params]
+    if unsharded:
+        shapes = ", ".join(str(tuple(t.shape)) for t in unsharded[:4])
+        raise RuntimeError(
+            f"the zeropp backend got {len(unsharded)} parameter(s) that are not sharded (shapes {shapes}); "
+            "call zpp_compile.shard(model, config) before torch.compile(model, backend='zeropp')"
+        )
+    if len(states) > 1:
+        raise RuntimeError("one compiled graph reads parameters of two separately sharded models; shard them together")
+    return next(iter(states.values()), None)
+
+
+class _StageHook(CustomGraphPass):
+    """Inductor custom-pass hook that runs one stage of the pass manager."""
+
+    def __init__(self, manager: PassManager, stage: str) -> None:
+        self.manager, self.stage = manager, stage
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.manager.run(self.stage, graph)
+
+    def uuid(self) -> bytes:
+        # Inductor's caches key on this: it must change whenever the rewrite could.
+        topology = self.manager.topology
+        key = [self.stage, self.manager.config.to_dict(), topology.rank, topology.world_size,
+               topology.ranks_per_node, [p.name for p in self.manager.passes], _source_digest()]
+        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).digest()
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of the passes' and runtime's source, so editing a pass invalidates cached graphs."""
+    digest = hashlib.sha256()
+    folders = [Path(__file__).parent, Path(passes_package.__file__).parent, Path(runtime_package.__file__).parent]
+    for folder in folders:
+        for path in sorted(folder.glob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], manager: PassManager | None) -> Callable:
+    """Debug mode: AOTAutograd with the passes, graphs run as plain FX code (no Inductor)."""
+
+    def partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        if manager is not None:
+            manager.run("joint", joint.graph)
+            joint.recompile()
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def lower(graph_module: fx.GraphModule, _inputs: Sequence[Any]) -> Callable:
+        if manager is not None:
+            manager.run("lowering", graph_module.graph)
+            graph_module.recompile()
+        return make_boxed_func(graph_module)
+
+    return aot_autograd(fw_compiler=lower, bw_compiler=lower, partition_fn=partition)(gm, example_inputs)

@@ -1,0 +1,212 @@
+"""`Config`: every knob of sharding and of the compiler passes, validated where it is set.
+
+A Config is built from keyword arguments, a dict, or a JSON file. DeepSpeed's ZeRO++ key names
+are accepted too, so a DeepSpeed user's settings carry over. A bad value fails at construction,
+with a message naming the key, the value and what is allowed; values that depend on the launch
+(world size, ranks per node) are checked by `check_topology` when the model is sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# DeepSpeed's "zero_optimization" names -> ours. hpZ partition size 1 means "off" in DeepSpeed;
+# here 1 means "a full copy on every rank", so the value is translated too (see `from_dict`).
+_DEEPSPEED_KEYS = {
+    "zero_quantized_weights": "quantized_weights",
+    "zero_hpz_partition_size": "hpz_partition_size",
+    "zero_quantized_gradients": "quantized_gradients",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says which key, what was given and what is allowed."""
+
+
+def _as_dtype(key: str, value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPE_NAMES:
+        dtype = _DTYPE_NAMES[value.lower().removeprefix("torch.")]
+    else:
+        raise ConfigError(
+            f"Config.{key}={value!r} is not a dtype; use a torch.dtype or one of {sorted(_DTYPE_NAMES)}"
+        )
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise ConfigError(f"Config.{key}={dtype} is not supported; use float32, bfloat16 or float16")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sharding and compiler settings. Field names match the README's configuration table."""
+
+    # qwZ: forward weight all-gather in block-quantized INT8 (one float32 scale per block).
+    quantized_weights: bool = False
+    weight_block_size: int = 256
+    # hpZ: 0 = off (backward re-gathers from all ranks); k = a secondary copy sharded over groups
+    # of k consecutive ranks (normally the ranks of one node); 1 = a full copy on every rank.
+    hpz_partition_size: int = 0
+    # qgZ: gradient reduce-scatter as a two-hop quantized all-to-all.
+    quantized_gradients: bool = False
+    gradient_bits: int = 4  # inter-node hop
+    intra_node_gradient_bits: int = 8  # intra-node hop
+    gradient_block_size: int = 256
+    # Topology: ranks per node, overriding the launcher's LOCAL_WORLD_SIZE (emulates nodes).
+    ranks_per_node: int | None = None
+    # Mixed precision: parameters are gathered and used in param_dtype (None: as stored), and
+    # gradients are reduced in reduce_dtype.
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    # Gathered weights are re-gathered in backward instead of being kept from forward.
+    reshard_after_forward: bool = True
+    # Scheduling: bytes per communication bucket (0 = one collective per parameter) and how
+    # many layers' gathers may be in flight ahead of compute.
+    bucket_size: int = 0
+    prefetch: int = 1
+    # Compilation and debugging.
+    inductor: bool = True
+    disable_passes: tuple[str, ...] = ()
+    dump_dir: str | None = None
+    collective_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        for key in ("quantized_weights", "quantized_gradients", "reshard_after_forward", "inductor"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"Config.{key}={getattr(self, key)!r} must be True or False")
+        for key in ("weight_block_size", "gradient_block_size"):
+            value = getattr(self, key)
+            if not _is_int(value) or value < 32 or value > 65536 or value & (value - 1):
+                raise ConfigError(f"Config.{key}={value!r} must be a power of 2 between 32 and 65536")
+        for key in ("gradient_bits", "intra_node_gradient_bits"):
+            if getattr(self, key) not in (4, 8):
+                raise ConfigError(f"Config.{key}={getattr(self, key)!r} is not supported; use 4 or 8")
+        if not _is_int(self.hpz_partition_size) or self.hpz_partition_size < 0:
+            raise ConfigError(
+                f"Config.hpz_partition_size={self.hpz_partition_size!r} must be 0 (off) or a "
+                "positive number of ranks that divides the world size"
+            )
+        if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 1):
+            raise ConfigError(f"Config.ranks_per_node={self.ranks_per_node!r} must be a positive integer or None")
+        if not _is_int(self.bucket_size) or self.bucket_size < 0:
+            raise ConfigError(f"Config.bucket_size={self.bucket_size!r} must be a number of bytes >= 0")
+        if not _is_int(self.prefetch) or self.prefetch < 0:
+            raise ConfigError(f"Config.prefetch={self.prefetch!r} must be an integer >= 0")
+        if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s <= 0:
+            raise ConfigError(
+                f"Config.collective_timeout_s={self.collective_timeout_s!r} must be a positive number of seconds"
+            )
+        set_("param_dtype", _as_dtype("param_dtype", self.param_dtype))
+        reduce_dtype = _as_dtype("reduce_dtype", self.reduce_dtype)
+        if reduce_dtype is None:
+            raise ConfigError("Config.reduce_dtype=None is not allowed; use float32, bfloat16 or float16")
+        set_("reduce_dtype", reduce_dtype)
+        if isinstance(self.disable_passes, str):
+            set_("disable_passes", (self.disable_passes,))
+        set_("disable_passes", tuple(self.disable_passes))
+        if self.dump_dir is not None:
+            set_("dump_dir", str(self.dump_dir))
+
+    # -- construction from user data -------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> Config:
+        """Builds a Config from our key names or DeepSpeed's ZeRO++ names (not both for one knob)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in _DEEPSPEED_KEYS:
+                ours = _DEEPSPEED_KEYS[key]
+                if ours in values:
+                    raise ConfigError(f"both {key!r} (DeepSpeed's name) and {ours!r} are set; keep one")
+                if key == "zero_hpz_partition_size" and value == 1:
+                    value = 0  # DeepSpeed's 1 means "no secondary partition"
+                key = ours
+            elif key not in names:
+                close = difflib.get_close_matches(key, sorted(names | set(_DEEPSPEED_KEYS)), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(names)}"
+                raise ConfigError(f"unknown config key {key!r}{hint}")
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Config:
+        try:
+            values = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from error
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(values).__name__}")
+        return cls.from_dict(values)
+
+    @classmethod
+    def load(cls, value: Config | Mapping[str, Any] | str | Path | None) -> Config:
+        """Accepts a Config, a dict, a JSON file path, or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, Config):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if isinstance(value, (str, Path)):
+            return cls.from_json(value)
+        raise ConfigError(f"expected a zpp_compile.Config, a dict or a JSON path, got {type(value).__name__}")
+
+    def updated(self, values: Mapping[str, Any]) -> Config:
+        """A copy with `values` (our names or DeepSpeed's) applied on top, validated."""
+        merged = {k: v for k, v in self.to_dict().items() if k not in values}
+        merged.update(values)
+        return Config.from_dict(merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready values (dtypes as strings)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+        out["disable_passes"] = list(self.disable_passes)
+        return out
+
+    # -- checks that need the launch ---------------------------------------------------------
+
+    def check_topology(self, world_size: int, ranks_per_node: int) -> None:
+        """Raises ConfigError if a value does not fit `world_size` ranks, `ranks_per_node` per node."""
+        if world_size % ranks_per_node:
+            source = "Config.ranks_per_node" if self.ranks_per_node else "LOCAL_WORLD_SIZE"
+            raise ConfigError(
+                f"{source}={ranks_per_node} does not divide the world size {world_size}; "
+                f"allowed: {_divisors(world_size)}"
+            )
+        if self.hpz_partition_size and world_size % self.hpz_partition_size:
+            raise ConfigError(
+                f"Config.hpz_partition_size={self.hpz_partition_size} does not divide the world size "
+                f"{world_size}; allowed: 0 (off) or one of {_divisors(world_size)}"
+            )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,167 @@
+"""`shard(model, config)`: every parameter kept as this rank's shard, gathered where it is used.
+
+Each parameter becomes a DTensor sharded on dim 0 over all ranks (torch.chunk sizes, as FSDP2),
+so the optimizer, `clip_grad_norm_`, `state_dict()` and torch.distributed.checkpoint see ordinary
+sharded parameters under their original names. The module's class is swapped for a subclass
+whose properties return the gathered weight: reading `module.weight` calls the
+`zpp::all_gather_param` IR op on the local shard, and autograd reduces the gradient back to the
+shard through `zpp::reduce_grad`. Run eagerly this is plain ZeRO-3; under
+`torch.compile(backend="zeropp")` the passes rewrite those ops.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from .config import Config
+from .runtime import ops  # noqa: F401  (registers the zpp ops)
+from .runtime.registry import REGISTRY, ShardingState
+from .runtime.topology import build_topology, launcher_ranks_per_node
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter is sharded and gathered back."""
+
+    shape: torch.Size  # the original shape
+    shard_size: int  # elements per rank after padding: ceil(rows / world) * row size
+    group_size: int
+    group_name: str
+    dtype: torch.dtype  # compute dtype of the gathered weight
+    reduce_dtype: torch.dtype
+    sharding_id: int
+
+    def gather(self, shard: DTensor) -> torch.Tensor:
+        local = shard.to_local().reshape(-1)
+        flat = torch.ops.zpp.all_gather_param(
+            local, self.shard_size, self.group_size, self.group_name, self.dtype, self.reduce_dtype,
+            self.sharding_id,
+        )
+        return flat[: self.shape.numel()].view(self.shape)
+
+
+def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = None) -> nn.Module:
+    """Shards `model`'s parameters over all ranks, in place, and returns it.
+
+    A collective: every rank calls it with the same model structure and config. Rank 0's
+    parameter values are the ones kept, so ranks need not share a seed. Tied parameters stay
+    tied; parameters with requires_grad=False are gathered but never reduced; buffers stay
+    replicated.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zpp_compile.shard expects an nn.Module, got {type(model).__name__}")
+    if model in REGISTRY.models:
+        raise ValueError("this model is already sharded; call zpp_compile.shard once per model")
+    config = Config.load(config)
+    state = ShardingState(config, _topology(config))
+    sharding_id = REGISTRY.add_state(state)
+    sharded: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        names = [name for name, p in module._parameters.items() if p is not None]
+        if not names:
+            continue
+        layouts = {}
+        for name in names:
+            param = module._parameters[name]
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {name!r} of {type(module).__name__} is already a DTensor; zeropp "
+                    "shards plain parameters (do not combine it with fully_shard or tensor parallel)"
+                )
+            if id(param) not in sharded:
+                sharded[id(param)] = _shard_parameter(param, state)
+            module._parameters[name] = sharded[id(param)]
+            layouts[name] = _layout(param, state, sharding_id)
+        module._zpp_layouts = layouts
+        module.__class__ = _gathering_class(type(module), frozenset(names))
+    REGISTRY.models[model] = state
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded parameters and buffers under their original names and shapes.
+
+    A collective (it all-gathers every parameter): call it on every rank.
+    """
+    if model not in REGISTRY.models:
+        raise ValueError("full_state_dict needs a model sharded by zpp_compile.shard")
+    shapes = {
+        f"{prefix}.{name}" if prefix else name: layout.shape
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for name, layout in getattr(module, "_zpp_layouts", {}).items()
+    }
+    out = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor().reshape(shapes[key])
+        out[key] = value
+    return out
+
+
+def sharding_state(model: nn.Module) -> ShardingState:
+    if model not in REGISTRY.models:
+        raise ValueError("this model is not sharded; call zpp_compile.shard(model, config) first")
+    return REGISTRY.models[model]
+
+
+def _topology(config: Config):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: launch with torchrun and call "
+            "torch.distributed.init_process_group() (backend 'nccl' on GPUs, 'gloo' on CPUs) "
+            "before zpp_compile.shard"
+        )
+    world_size = dist.get_world_size()
+    ranks_per_node = config.ranks_per_node or launcher_ranks_per_node(world_size)
+    config.check_topology(world_size, ranks_per_node)
+    key = (ranks_per_node, config.hpz_partition_size, config.collective_timeout_s)
+    if key not in REGISTRY.topologies:
+        REGISTRY.topologies[key] = build_topology(*key)
+    return REGISTRY.topologies[key]
+
+
+def _shard_parameter(param: nn.Parameter, state: ShardingState) -> nn.Parameter:
+    # A 0-d parameter is sharded as a 1-element vector; its layout restores the shape.
+    full = param.detach().reshape(1) if param.dim() == 0 else param.detach()
+    shard = distribute_tensor(full.to(state.topology.device), state.topology.mesh, [Shard(0)])
+    out = nn.Parameter(shard, requires_grad=param.requires_grad)
+    REGISTRY.params[out] = state
+    return out
+
+
+def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int) -> ParamLayout:
+    topology, config = state.topology, state.config
+    rows = param.shape[0] if param.dim() else 1
+    row_numel = param[0].numel() if param.dim() else 1
+    world = topology.world
+    return ParamLayout(
+        shape=param.shape,
+        shard_size=math.ceil(rows / world.size) * row_numel,
+        group_size=world.size,
+        group_name=world.name,
+        dtype=config.param_dtype or param.dtype,
+        reduce_dtype=config.reduce_dtype,
+        sharding_id=sharding_id,
+    )
+
+
+def _gathering_class(cls: type, names: frozenset[str]) -> type:
+    """`cls` with a property per parameter name that returns the gathered parameter."""
+    key = (cls, names)
+    if key not in REGISTRY.gathering_classes:
+
+        def gathered(name: str) -> property:
+            return property(lambda self: self._zpp_layouts[name].gather(self._parameters[name]))
+
+        REGISTRY.gathering_classes[key] = type(
+            f"Sharded{cls.__name__}", (cls,), {name: gathered(name) for name in sorted(names)}
+        )
+    return REGISTRY.gathering_classes[key]
