@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 
@@ -23,7 +24,8 @@ def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.
     """Replaces `node` by the aten ops of `fn(*args)`, traced on the args' fake values.
 
     `args` are fx Nodes (standing for their tensors) or constants. The inserted nodes carry
-    "val" metadata like the rest of the graph. Returns the node holding fn's result.
+    "val" metadata like the rest of the graph, and are decomposed as Inductor expects of the
+    graphs its post-grad passes see. Returns the node holding fn's result.
     """
     tensor_args = [a for a in args if isinstance(a, fx.Node)]
 
@@ -33,7 +35,7 @@ def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.
 
     values = [a.meta["val"] for a in tensor_args]
     with detect_fake_mode(values):
-        traced = make_fx(with_constants)(*values)
+        traced = make_fx(with_constants, decomposition_table=select_decomp_table())(*values)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(node):
         result = graph.graph_copy(traced.graph, dict(zip(placeholders, tensor_args)))

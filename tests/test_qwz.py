@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import zpp_compile as zpp
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
-from test_zero3 import PER_RANK, STEPS, train
+from test_zero3 import PER_RANK, STEPS, needs_4_ranks, train
 
 BLOCK = 64  # small blocks, so that the tiny model's weights are quantized at world 2 and 4
 
@@ -80,6 +80,7 @@ def test_qwz_world2():
     assert max(errors.values()) < 5e-2, errors
 
 
+@needs_4_ranks
 def test_qwz_world4_two_nodes():
     errors = run_ranks(qwz_runs, 4, 2)[0]
     print("largest relative update error:", max(errors.items(), key=lambda kv: kv[1]))

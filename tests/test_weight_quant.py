@@ -5,6 +5,7 @@ torch twin (two implementations of one formula), both against float64 arithmetic
 values written out from the spec.
 """
 
+import functools
 import math
 
 import pytest
@@ -21,6 +22,15 @@ BITS = {4: torch.int32, 2: torch.int16}
 # code*scale are each rounded once (relative error <= 2**-24), which moves the result by at
 # most ~127 * 4 * 2**-24 = 3.0e-5 steps; 2**-14 = 6.1e-5 covers it with room.
 STEP_SLACK = 2.0**-14
+
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+
+
+def on_kernel_device(launcher, *args, **kwargs) -> torch.Tensor:
+    """Runs a Triton launcher on the GPU when there is one, else interpreted; result on the CPU."""
+    args = [a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    return launcher(*args, **kwargs).cpu()
 
 
 def weights(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -77,7 +87,7 @@ def test_triton_matches_twin(dtype, B, n):
             x[B : 2 * B] = 0
     ept = 256 if n % 2 else None  # small tiles: many programs, masked rows in the last one
     ref = wq.quantize_weight_reference(x, B)
-    tri = wq.quantize_weight_triton(x, B, elems_per_program=ept)
+    tri = on_kernel_device(wq.quantize_weight_triton, x, B, elems_per_program=ept)
     assert torch.equal(ref, tri)
 
     # Two chunks, as after an all-gather of two ranks' shards.
@@ -85,7 +95,7 @@ def test_triton_matches_twin(dtype, B, n):
     for out_dtype in {dtype, torch.float32}:
         assert_same_values(
             wq.dequantize_weight_reference(packed, n, B, out_dtype),
-            wq.dequantize_weight_triton(packed, n, B, out_dtype, elems_per_program=ept),
+            on_kernel_device(wq.dequantize_weight_triton, packed, n, B, out_dtype, elems_per_program=ept),
         )
 
 
@@ -93,8 +103,8 @@ def test_triton_matches_twin(dtype, B, n):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B", [32, 128, 1024])
 def test_error_within_half_step(impl, dtype, B):
-    quant = wq.quantize_weight_reference if impl == "twin" else wq.quantize_weight_triton
-    dequant = wq.dequantize_weight_reference if impl == "twin" else wq.dequantize_weight_triton
+    quant = wq.quantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.quantize_weight_triton)
+    dequant = wq.dequantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.dequantize_weight_triton)
     n = 3001
     x = weights(n, dtype, seed=B)
     packed = quant(x, B)
@@ -120,7 +130,7 @@ def test_error_within_half_step(impl, dtype, B):
 
 @pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
 def test_round_half_to_even(impl):
-    quant = wq.quantize_weight_reference if impl == "twin" else wq.quantize_weight_triton
+    quant = wq.quantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.quantize_weight_triton)
     # absmax 127 makes scale = inv = 1, so k + 0.5 is an exact tie.
     x = torch.tensor([127.0] + [k + 0.5 for k in range(-20, 20)] + [-126.5, 126.5])
     codes, scales = unpack(quant(x, 64), x.numel(), 64)
@@ -133,8 +143,8 @@ def test_round_half_to_even(impl):
 @pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_zero_and_nonfinite_blocks(impl, dtype):
-    quant = wq.quantize_weight_reference if impl == "twin" else wq.quantize_weight_triton
-    dequant = wq.dequantize_weight_reference if impl == "twin" else wq.dequantize_weight_triton
+    quant = wq.quantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.quantize_weight_triton)
+    dequant = wq.dequantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.dequantize_weight_triton)
     B = 32
     x = weights(6 * B, dtype, seed=3)
     x[0:B] = 0  # block 0: all zero
@@ -168,7 +178,7 @@ def test_zero_and_nonfinite_blocks(impl, dtype):
 @pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
 def test_dequantize_inf_block_code_table(impl):
     """Hand-made packed bytes: in an inf-scale block -128 -> NaN, +-127 -> +-inf, others -> 0."""
-    dequant = wq.dequantize_weight_reference if impl == "twin" else wq.dequantize_weight_triton
+    dequant = wq.dequantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.dequantize_weight_triton)
     B = 32
     codes = torch.zeros(2, B, dtype=torch.int8)
     codes[0, :5] = torch.tensor([-128, 127, -127, 5, 0], dtype=torch.int8)
@@ -195,14 +205,14 @@ def test_ops_round_trip_chunks(dtype):
     assert ((y.double() - x).abs() <= bound).all()
     assert torch.equal(torch.ops.zpp.dequantize_weight(packed, n, B, dtype), y.to(dtype))
     if wq.HAS_TRITON:  # an independent implementation of the same bytes
-        assert_same_values(y, wq.dequantize_weight_triton(packed, n, B, torch.float32))
+        assert_same_values(y, on_kernel_device(wq.dequantize_weight_triton, packed, n, B, torch.float32))
 
     # A packed buffer that starts at an odd byte offset of its storage (not 4-aligned).
     base = torch.empty(packed.numel() + 1, dtype=torch.uint8)
     base[1:] = packed
     assert torch.equal(torch.ops.zpp.dequantize_weight(base[1:], n, B, torch.float32), y)
     if wq.HAS_TRITON:
-        assert_same_values(wq.dequantize_weight_triton(base[1:], n, B, torch.float32), y)
+        assert_same_values(on_kernel_device(wq.dequantize_weight_triton, base[1:], n, B, torch.float32), y)
 
 
 def test_fake_shapes_and_opcheck():
