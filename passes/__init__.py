@@ -6,6 +6,7 @@ Each entry can be switched off by name (Config.disable_passes, or `zeropp --disa
 
 from .base import STAGES, GraphPass, PassContext
 from .lower_collectives import lower_collectives
+from .quantize_gradients import quantize_gradients
 from .quantize_weights import quantize_weights
 from .reshard_after_forward import reshard_after_forward
 
@@ -14,6 +15,8 @@ PASSES: tuple[GraphPass, ...] = (
               wanted=lambda config: config.reshard_after_forward),
     GraphPass("quantize_weights", "lowering", quantize_weights,
               wanted=lambda config: config.quantized_weights),
+    GraphPass("quantize_gradients", "lowering", quantize_gradients,
+              wanted=lambda config: config.quantized_gradients),
     GraphPass("lower_collectives", "lowering", lower_collectives),
 )
 

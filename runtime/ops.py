@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import weight_quant  # noqa: F401  (registers zpp::quantize_weight, zpp::dequantize_weight)
-from .collectives import all_gather, reduce_scatter_sum
+from . import grad_quant, weight_quant  # noqa: F401  (register the quantization ops)
+from .collectives import all_gather, all_to_all, reduce_scatter_sum
 
 
 def gather_param(
@@ -38,6 +38,43 @@ def reduce_grad_mean(
 ) -> torch.Tensor:
     """This rank's shard (its first `shard_numel` elements) of the mean of `grad` over the group."""
     shard = reduce_scatter_sum(grad.to(dtype), group_size, group_name) / group_size
+    return shard[:shard_numel]
+
+
+def reduce_grad_quantized(
+    grad: torch.Tensor,
+    shard_numel: int,
+    dtype: torch.dtype,
+    num_nodes: int,
+    ranks_per_node: int,
+    intra_group: str,
+    inter_group: str,
+    intra_bits: int,
+    inter_bits: int,
+    block_size: int,
+) -> torch.Tensor:
+    """`reduce_grad_mean` as qgZ's two-hop quantized all-to-all (same meaning: the mean).
+
+    The gradient is quantized with its slices reordered so that the intra-node all-to-all hands
+    local rank l the parts of every node's shard l; those are summed and requantized, and the
+    inter-node all-to-all hands each rank its own shard from every node. Only the second hop
+    leaves the node, in `inter_bits`. With one node, or one rank per node, the missing hop is
+    skipped. Sums are in float32; the result is the mean in `dtype`.
+    """
+    nodes, local = num_nodes, ranks_per_node
+    shard_size = grad.numel() // (nodes * local)
+    mean = 1.0 / (nodes * local)
+    if nodes == 1 or local == 1:
+        group, bits = (intra_group, intra_bits) if nodes == 1 else (inter_group, inter_bits)
+        packed = torch.ops.zpp.qgz_quantize(grad, nodes, local, bits, block_size)
+        received = all_to_all(packed, nodes * local, group)
+        shard = torch.ops.zpp.qgz_dequantize_reduce(received, nodes * local, shard_size, bits, block_size, dtype, mean)
+        return shard[:shard_numel]
+    packed = torch.ops.zpp.qgz_quantize(grad, nodes, local, intra_bits, block_size)
+    received = all_to_all(packed, local, intra_group)
+    partial = torch.ops.zpp.qgz_reduce_requantize(received, local, nodes, shard_size, intra_bits, inter_bits, block_size)
+    received = all_to_all(partial, nodes, inter_group)
+    shard = torch.ops.zpp.qgz_dequantize_reduce(received, nodes, shard_size, inter_bits, block_size, dtype, mean)
     return shard[:shard_numel]
 
 

@@ -1,0 +1,33 @@
+"""qgZ: gradient reductions as a two-hop, block-quantized all-to-all."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..runtime.ops import reduce_grad_quantized
+from .base import PassContext
+from .fx_util import nodes_calling, replace_with_traced
+
+
+def quantize_gradients(graph: fx.Graph, ctx: PassContext) -> None:
+    """Rewrites each gradient reduce-scatter into a two-hop quantized all-to-all.
+
+    quantize -> intra-node all-to-all -> reduce and requantize -> inter-node all-to-all ->
+    dequantize and reduce: the mean, like the plain path.
+
+    Slices are reordered inside the quantize kernel so each rank ends with exactly its ZeRO shard.
+    The intra-node hop uses `intra_node_gradient_bits`, the inter-node hop `gradient_bits` (4
+    by default, the paper's INT4). A shard smaller than one block is reduced in full precision:
+    its scales alone would outweigh the saving.
+    """
+    config, topology = ctx.config, ctx.topology
+    for node in nodes_calling(graph, torch.ops.zpp.reduce_grad.default):
+        grad, shard_numel, group_size, _, dtype = node.args
+        if grad.meta["val"].numel() // group_size < config.gradient_block_size:
+            continue
+        replace_with_traced(
+            graph, node, reduce_grad_quantized, grad, shard_numel, dtype, topology.num_nodes,
+            topology.ranks_per_node, topology.intra_node.name, topology.inter_node.name,
+            config.intra_node_gradient_bits, config.gradient_bits, config.gradient_block_size,
+        )
