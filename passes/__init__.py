@@ -5,6 +5,7 @@ Each entry can be switched off by name (Config.disable_passes, or `zeropp --disa
 """
 
 from .base import STAGES, GraphPass, PassContext
+from .hierarchical_partition import hierarchical_partition
 from .lower_collectives import lower_collectives
 from .quantize_gradients import quantize_gradients
 from .quantize_weights import quantize_weights
@@ -13,6 +14,8 @@ from .reshard_after_forward import reshard_after_forward
 PASSES: tuple[GraphPass, ...] = (
     GraphPass("reshard_after_forward", "joint", reshard_after_forward,
               wanted=lambda config: config.reshard_after_forward),
+    GraphPass("hierarchical_partition", "joint", hierarchical_partition,
+              wanted=lambda config: config.hpz_partition_size > 0),
     GraphPass("quantize_weights", "lowering", quantize_weights,
               wanted=lambda config: config.quantized_weights),
     GraphPass("quantize_gradients", "lowering", quantize_gradients,

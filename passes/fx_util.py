@@ -20,12 +20,12 @@ def is_backward(graph: fx.Graph) -> bool:
     return any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
 
 
-def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.Tensor], *args: Any) -> fx.Node:
-    """Replaces `node` by the aten ops of `fn(*args)`, traced on the args' fake values.
+def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tensor], *args: Any) -> fx.Node:
+    """Inserts the aten ops of `fn(*args)`, traced on the args' fake values, before `before`.
 
     `args` are fx Nodes (standing for their tensors) or constants. The inserted nodes carry
     "val" metadata like the rest of the graph, and are decomposed as Inductor expects of the
-    graphs its post-grad passes see. Returns the node holding fn's result.
+    graphs its passes see. Returns the node holding fn's result.
     """
     tensor_args = [a for a in args if isinstance(a, fx.Node)]
 
@@ -37,9 +37,41 @@ def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.
     with detect_fake_mode(values):
         traced = make_fx(with_constants, decomposition_table=select_decomp_table())(*values)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    with graph.inserting_before(node):
-        result = graph.graph_copy(traced.graph, dict(zip(placeholders, tensor_args)))
+    with graph.inserting_before(before):
+        return graph.graph_copy(traced.graph, dict(zip(placeholders, tensor_args)))
+
+
+def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.Tensor], *args: Any) -> fx.Node:
+    """Replaces `node` by the aten ops of `fn(*args)` (see `insert_traced`)."""
+    result = insert_traced(graph, node, fn, *args)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return result
 
+
+def weight_chain(gather: fx.Node) -> list[fx.Node]:
+    """`gather` and every node computed from gathered weights alone (casts, views, transposes),
+    in graph order: what backward can recompute from the weight without any activation."""
+    chain: set[fx.Node] = set()
+    todo = [gather]
+    while todo:
+        node = todo.pop()
+        if node in chain:
+            continue
+        chain.add(node)
+        todo.extend(
+            user for user in node.users
+            if user.op == "call_function" and all(arg in chain or arg is node for arg in user.all_input_nodes)
+        )
+    return [n for n in gather.graph.nodes if n in chain]
+
+
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of a joint graph that depend on an incoming gradient (tangents_*)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or any(
+            arg in found for arg in node.all_input_nodes
+        ):
+            found.add(node)
+    return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..runtime.collectives import all_gather
 from ..runtime.ops import gather_param, reduce_grad_mean
 from .base import PassContext
 from .fx_util import nodes_calling, replace_with_traced
@@ -13,8 +14,9 @@ from .fx_util import nodes_calling, replace_with_traced
 def lower_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     """Lowers the remaining gathers and reductions to plain ZeRO-3 collectives.
 
-    zpp.all_gather_param -> cast, pad, all_gather_into_tensor; zpp.reduce_grad -> cast,
-    reduce_scatter_tensor (sum), divide by the group size, narrow to the local shard.
+    zpp.all_gather_param -> cast, pad, all_gather_into_tensor; zpp.all_gather_flat ->
+    all_gather_into_tensor; zpp.reduce_grad -> cast, reduce_scatter_tensor (sum), divide by
+    the group size, narrow to the local shard; zpp.with_secondary_copy -> its weight input.
 
     The replacements are traced from the same functions the ops run eagerly, so the compiled
     graph issues exactly the collectives of the eager reference.
@@ -22,5 +24,10 @@ def lower_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     for node in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
         shard, shard_size, group_size, group_name, dtype, *_ = node.args
         replace_with_traced(graph, node, gather_param, shard, shard_size, group_size, group_name, dtype)
+    for node in nodes_calling(graph, torch.ops.zpp.with_secondary_copy.default):
+        node.replace_all_uses_with(node.args[0])  # a marker for the partitioner only
+        graph.erase_node(node)
+    for node in nodes_calling(graph, torch.ops.zpp.all_gather_flat.default):
+        replace_with_traced(graph, node, all_gather, *node.args)
     for node in nodes_calling(graph, torch.ops.zpp.reduce_grad.default):
         replace_with_traced(graph, node, reduce_grad_mean, *node.args)

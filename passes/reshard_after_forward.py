@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .base import PassContext
-from .fx_util import nodes_calling
+from .fx_util import nodes_calling, weight_chain
 
 
 def reshard_after_forward(graph: fx.Graph, ctx: PassContext) -> None:
@@ -17,16 +17,6 @@ def reshard_after_forward(graph: fx.Graph, ctx: PassContext) -> None:
     gather (and of the casts, views and transposes that follow it) into the backward graph, so the
     forward graph saves only the local shard for backward, never a gathered weight.
     """
-    tagged: set[fx.Node] = set()
-    todo = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
-    while todo:
-        node = todo.pop()
-        if node in tagged:
-            continue
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        tagged.add(node)
-        todo.extend(
-            user
-            for user in node.users
-            if user.op == "call_function" and all(arg in tagged or arg is node for arg in user.all_input_nodes)
-        )
+    for gather in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
+        for node in weight_chain(gather):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

@@ -39,6 +39,7 @@ class GraphComm:
     graph_name: str
     kind: str
     collectives: tuple[CollectiveRecord, ...]
+    secondary_bytes: int = 0  # hpZ copies this (forward) graph keeps for backward
 
     @property
     def intra_bytes(self) -> int:
@@ -67,9 +68,14 @@ def collectives_in_graph(graph: fx.Graph, topology: Topology) -> tuple[Collectiv
 
 
 
-def training_step_bytes(graphs: list[GraphComm]) -> tuple[int, int]:
-    """(intra, inter) bytes one training step moves: forward + backward of every graph that
-    has a backward (inference-only graphs, such as evaluation, are left out)."""
+def training_graphs(graphs: list[GraphComm]) -> list[GraphComm]:
+    """The forward and backward graphs of every compiled graph that has a backward (so not the
+    inference-only graphs of, say, evaluation): what one training step runs."""
     trained = {g.graph_name.split(".")[0] for g in graphs if g.kind == "backward"}
-    chosen = [g for g in graphs if g.graph_name.split(".")[0] in trained]
+    return [g for g in graphs if g.graph_name.split(".")[0] in trained]
+
+
+def training_step_bytes(graphs: list[GraphComm]) -> tuple[int, int]:
+    """(intra, inter) bytes one training step moves."""
+    chosen = training_graphs(graphs)
     return sum(g.intra_bytes for g in chosen), sum(g.inter_bytes for g in chosen)

@@ -29,8 +29,8 @@ def gather_param_quantized(
 ) -> torch.Tensor:
     """`gather_param` through INT8: each rank quantizes its (full-precision) shard in blocks,
     the packed codes and scales travel in one all-gather, and every chunk is dequantized."""
-    packed = torch.ops.zpp.quantize_weight(F.pad(shard, (0, shard_size - shard.numel())), block_size)
-    return torch.ops.zpp.dequantize_weight(all_gather(packed, group_size, group_name), shard_size, block_size, dtype)
+    gathered = quantize_and_gather(shard, shard_size, group_size, group_name, block_size)
+    return torch.ops.zpp.dequantize_weight(gathered, shard_size, block_size, dtype)
 
 
 def reduce_grad_mean(
@@ -76,6 +76,64 @@ def reduce_grad_quantized(
     received = all_to_all(partial, nodes, inter_group)
     shard = torch.ops.zpp.qgz_dequantize_reduce(received, nodes, shard_size, inter_bits, block_size, dtype, mean)
     return shard[:shard_numel]
+
+
+@torch.library.custom_op("zpp::all_gather_flat", mutates_args=())
+def all_gather_flat(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Every group member's `x`, concatenated: a gather with no autograd and no cast.
+
+    Joint-graph passes use it where they add a gather of their own (hpZ): the partitioner would
+    force-save a `_c10d_functional` collective, but treats this op like any other.
+    """
+    return all_gather(x, group_size, group_name)
+
+
+@all_gather_flat.register_fake
+def _(x, group_size, group_name):
+    return x.new_empty(x.numel() * group_size)
+
+
+def quantize_and_gather(
+    shard: torch.Tensor, shard_size: int, group_size: int, group_name: str, block_size: int
+) -> torch.Tensor:
+    """The packed INT8 blocks and scales of every rank's shard, as one gathered byte buffer."""
+    packed = torch.ops.zpp.quantize_weight(F.pad(shard, (0, shard_size - shard.numel())), block_size)
+    return torch.ops.zpp.all_gather_flat(packed, group_size, group_name)
+
+
+def secondary_slice(gathered: torch.Tensor, member: int, members: int) -> torch.Tensor:
+    """Member `member`'s part of a gathered buffer split over `members` ranks, as a copy (a view
+    would keep the whole buffer alive)."""
+    part = gathered.numel() // members
+    return gathered[member * part:(member + 1) * part].clone()
+
+
+def gather_secondary(
+    copy: torch.Tensor, members: int, group_name: str, shard_size: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The flat weight rebuilt from the secondary group's copies; `block_size` 0 means they hold
+    weights, otherwise packed INT8 blocks and scales to dequantize."""
+    gathered = torch.ops.zpp.all_gather_flat(copy, members, group_name) if members > 1 else copy
+    if block_size:
+        return torch.ops.zpp.dequantize_weight(gathered, shard_size, block_size, dtype)
+    return gathered
+
+
+@torch.library.custom_op("zpp::with_secondary_copy", mutates_args=())
+def with_secondary_copy(weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    """`weight`, once `copy` exists: a joint-graph marker that makes forward depend on hpZ's copy.
+
+    The min-cut partitioner keeps a MUST_SAVE tag only on values forward computes; a copy used
+    by backward alone would be recomputed there, from a world gather. Routing forward's uses of
+    the weight through this op makes the copy a forward value. Lowering removes it (the weight
+    is used directly), so it costs nothing at run time; run eagerly it is a copy of `weight`.
+    """
+    return weight.clone()
+
+
+@with_secondary_copy.register_fake
+def _(weight, copy):
+    return torch.empty_like(weight)
 
 
 @torch.library.custom_op("zpp::all_gather_param", mutates_args=())

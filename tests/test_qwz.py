@@ -35,8 +35,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def qwz_runs(rank: int, world_size: int, ranks_per_node: int) -> dict:
-    config = zpp.Config(quantized_weights=True, weight_block_size=BLOCK, ranks_per_node=ranks_per_node)
+def qwz_runs(rank: int, world_size: int, ranks_per_node: int, options: dict | None = None) -> dict:
+    config = zpp.Config(quantized_weights=True, weight_block_size=BLOCK, ranks_per_node=ranks_per_node, **(options or {}))
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     data = batches(STEPS, world_size, PER_RANK)
 

@@ -5,7 +5,7 @@
 """
 
 from .config import Config, ConfigError
-from .runtime.ledger import training_step_bytes
+from .runtime.ledger import training_graphs, training_step_bytes
 from .runtime.registry import REGISTRY
 from .sharding import full_state_dict, shard
 
@@ -16,4 +16,9 @@ def step_comm_bytes() -> tuple[int, int]:
     return training_step_bytes(REGISTRY.ledger)
 
 
-__all__ = ["Config", "ConfigError", "shard", "full_state_dict", "step_comm_bytes"]
+def secondary_copy_bytes() -> int:
+    """Bytes of hpZ secondary copies this rank holds from forward to backward, per step."""
+    return sum(g.secondary_bytes for g in training_graphs(REGISTRY.ledger))
+
+
+__all__ = ["Config", "ConfigError", "shard", "full_state_dict", "step_comm_bytes", "secondary_copy_bytes"]

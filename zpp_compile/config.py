@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -201,6 +202,12 @@ class Config:
             raise ConfigError(
                 f"Config.hpz_partition_size={self.hpz_partition_size} does not divide the world size "
                 f"{world_size}; allowed: 0 (off) or one of {_divisors(world_size)}"
+            )
+        if self.hpz_partition_size > ranks_per_node:
+            warnings.warn(
+                f"Config.hpz_partition_size={self.hpz_partition_size} is larger than the "
+                f"{ranks_per_node} ranks of a node: backward weight gathers will cross nodes",
+                stacklevel=3,
             )
 
 

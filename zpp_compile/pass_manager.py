@@ -30,6 +30,7 @@ class PassManager:
     def __init__(self, config: Config, topology: Topology, graph_id: str) -> None:
         self.config, self.topology, self.graph_id = config, topology, graph_id
         self.passes = enabled_passes(config)
+        self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
 
     def run(self, stage: str, graph: fx.Graph) -> None:
         """Runs every enabled pass of `stage`; after lowering, records the graph's collectives."""
@@ -40,9 +41,16 @@ class PassManager:
             graph_pass.run(graph, ctx)
             graph.lint()
             self._dump(graph, ctx, f"{stage}.{index:02d}.{graph_pass.name}.after")
-        if stage == "lowering":
+        if stage == "joint":
+            self.secondary_bytes = sum(
+                n.meta["val"].nbytes for n in graph.nodes if n.meta.get("zpp_secondary_copy")
+            )
+        else:
             graph.eliminate_dead_code()
-            REGISTRY.ledger.append(GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology)))
+            secondary = self.secondary_bytes if kind == "forward" else 0
+            REGISTRY.ledger.append(
+                GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary)
+            )
 
     def _dump(self, graph: fx.Graph, ctx: PassContext, label: str) -> None:
         if self.config.dump_dir is None:
