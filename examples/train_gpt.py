@@ -170,8 +170,9 @@ def main(argv: list[str] | None = None) -> float:
             elapsed = time.perf_counter() - start
             speed = tokens_per_step * step / elapsed if step and elapsed > 0 else 0.0
             intra, inter = zpp.step_comm_bytes()
+            held = f"  hpZ copies {zpp.secondary_copy_bytes() / 1e6:.1f} MB" if config.hpz_partition_size else ""
             progress(step + 1, args.steps, f"loss {loss_value:.3f}  {speed:,.0f} tok/s  "
-                     f"comm/step/rank {intra / 1e6:.2f} MB intra-node + {inter / 1e6:.2f} MB inter-node")
+                     f"comm/step/rank {intra / 1e6:.2f} MB intra-node + {inter / 1e6:.2f} MB inter-node{held}")
     if rank == 0:
         print()
     dist.destroy_process_group()

@@ -353,41 +353,53 @@ if HAS_TRITON:
     # for |t| < 2**22, t + 1.5 * 2**23 (IEEE add, round to nearest even) holds rint(t) in its low
     # mantissa bits, two's complement; and bitcast(0x4B000000 | n) == 2**23 + n for 0 <= n < 2**23.
     _MAGIC = tl.constexpr(12582912.0)
-    _TWO23 = tl.constexpr(0x4B000000)
+    _MAGIC4 = tl.constexpr(12582920.0)   # 1.5 * 2**23 + 8: INT4 codes in offset binary (code + 8)
+    _E23 = tl.constexpr(0x4B000000)      # the bits of 2**23
     _TINY = tl.constexpr(2.0 ** -100)  # below this a scale * 2**-16 could be subnormal (inexact)
 
-    # A tile of BPP blocks is held as 8 "lanes" X0..X7 of shape [BPP, NW = next_pow2(B) // 8]:
-    # lane k holds the block elements 8 i + k. One int32 word of INT4 codes is exactly one column
-    # of the 8 lanes (nibble k = lane k); two words of INT8 codes are one column (byte k of word
-    # 0 / 1 = lane k / k + 4). Unpacking and packing are shifts and masks of whole words.
+    # Tiles. A program owns BPP consecutive blocks of one piece. The unit of work is the "octet"
+    # (8 consecutive elements: one int32 word of INT4 codes, two of INT8 codes), and a tile is
+    # held as 8 "lanes" of shape [G, BPP, REP, U]: lane k of octet (g, r, j, u) is element
+    # 8 * (j*G*U + g*U + u) + k of block r. Every memory access uses a tensor whose last axis is
+    # one thread's 16-byte vector and whose other axes are [G, BPP, REP, U, ...]; Triton's
+    # blocked layouts then all put G (then BPP) across the threads and everything else inside a
+    # thread, so lanes, codes and values change shape without moving data (no shared memory),
+    # and a block's absmax is an in-thread max over REP*U*8 elements plus log2(G) shuffles.
+    # INT4 packing and unpacking are shifts and masks of whole words (nibble k = lane k).
 
     @triton.jit
-    def _tl_field(wxe, POS: tl.constexpr, WIDTH: tl.constexpr):
-        """``wxe`` = word in offset binary, OR-ed with 0x4B000000 (fields below bit 23 intact).
-        Field of ``WIDTH`` bits at bit ``POS`` (POS + WIDTH <= 23) -> float32 ``code * 2**POS``,
-        exactly: one AND keeps field + exponent bits (2**23 + field), one FADD removes the bias."""
-        OFF: tl.constexpr = 8388608.0 + (1 << (WIDTH - 1 + POS))
-        MASK: tl.constexpr = (((1 << WIDTH) - 1) << POS) | 0x4B000000
-        return (wxe & MASK).to(tl.float32, bitcast=True) - OFF
+    def _tl_nanmax(a, b):
+        """max that propagates NaN (one FMNMX.NAN on sm_80+; the interpreter's max does too)."""
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def _tl_split8(x, BPP: tl.constexpr, NW: tl.constexpr):
-        """[BPP, 8 * NW] -> lanes (x[:, 8i + k] for k = 0..7)."""
-        e, o = tl.split(tl.reshape(x, (BPP, NW, 2, 2, 2)))   # last axis: k & 1
-        e0, e1 = tl.split(e)                                 # (k >> 1) & 1
+    def _tl_octets(G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
+                   OB: tl.constexpr):
+        """(octet index in the tile [G, BPP, REP, U], octet index in its block [G, 1, REP, U]);
+        OB = octets per block (the in-block index runs to the next power of 2)."""
+        o = ((tl.arange(0, G) * U)[:, None, None, None] + (tl.arange(0, REP) * (G * U))[None, None, :, None]
+             + tl.arange(0, U)[None, None, None, :])
+        return o + (tl.arange(0, BPP) * OB)[None, :, None, None], o
+
+    @triton.jit
+    def _tl_split8(x, G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr):
+        """[G, BPP, REP, U, 8] -> lanes x[..., k], k = 0..7 (in-thread: register renaming)."""
+        e, o = tl.split(tl.reshape(x, (G, BPP, REP, U, 2, 2, 2)))   # last axis: k & 1
+        e0, e1 = tl.split(e)                                        # (k >> 1) & 1
         o0, o1 = tl.split(o)
-        x0, x4 = tl.split(e0)                                # k >> 2
+        x0, x4 = tl.split(e0)                                       # k >> 2
         x2, x6 = tl.split(e1)
         x1, x5 = tl.split(o0)
         x3, x7 = tl.split(o1)
         return x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
-    def _tl_join8(x0, x1, x2, x3, x4, x5, x6, x7, BPP: tl.constexpr, NW: tl.constexpr):
+    def _tl_join8(x0, x1, x2, x3, x4, x5, x6, x7, G: tl.constexpr, BPP: tl.constexpr,
+                  REP: tl.constexpr, U: tl.constexpr):
         """Inverse of _tl_split8."""
         e = tl.join(tl.join(x0, x4), tl.join(x2, x6))
         o = tl.join(tl.join(x1, x5), tl.join(x3, x7))
-        return tl.reshape(tl.join(e, o), (BPP, NW * 8))
+        return tl.reshape(tl.join(e, o), (G, BPP, REP, U, 8))
 
     @triton.jit
     def _tl_fma(a, b, c, EMU: tl.constexpr):
@@ -407,6 +419,19 @@ if HAS_TRITON:
         else:
             r = tl.fma(a, b, c)
         return r
+
+    # ---- codes -> values ----------------------------------------------------------------
+
+    @triton.jit
+    def _tl_field(w, POS: tl.constexpr, WIDTH: tl.constexpr):
+        """Two's complement field of WIDTH bits at bit POS of w (POS + WIDTH <= 23) -> float32
+        code * 2**POS, exactly, in two instructions: one LOP3 keeps the field, flips its sign
+        bit (offset binary u = code + 2**(WIDTH-1)) and sets the exponent of 2**23, giving
+        2**23 + u * 2**POS; one FADD removes the bias."""
+        MASK: tl.constexpr = ((1 << WIDTH) - 1) << POS
+        FLIP: tl.constexpr = 0x4B000000 | (1 << (WIDTH - 1 + POS))
+        OFF: tl.constexpr = 8388608.0 + (1 << (WIDTH - 1 + POS))
+        return ((w & MASK) ^ FLIP).to(tl.float32, bitcast=True) - OFF
 
     @triton.jit
     def _tl_acc_lane(acc, f, s, s_pos, s_inf, P: tl.constexpr, Q: tl.constexpr,
@@ -431,70 +456,95 @@ if HAS_TRITON:
         return r
 
     @triton.jit
-    def _tl_acc_source(a0, a1, a2, a3, a4, a5, a6, a7, w32_ptr, f32_ptr, base, blk, nb,
-                       BITS: tl.constexpr, B: tl.constexpr, BPP: tl.constexpr, NW: tl.constexpr,
-                       FIRST: tl.constexpr, SLOW: tl.constexpr, EMU: tl.constexpr):
-        """Accumulate the piece at byte offset ``base`` (blocks ``blk``) into the 8 lanes."""
-        Q: tl.constexpr = (1 << (BITS - 1)) - 1
-        rowok = blk < nb
-        i = tl.arange(0, NW)
-        m = rowok[:, None] & (i < B // 8)[None, :]
-        wbase = base // 4
-        cw = tl.cast(nb, tl.int64) * (B * BITS // 32)          # code words per piece
-        s = tl.load(f32_ptr + wbase + cw + blk, mask=rowok, other=0.0)[:, None]
-        si = s == _INF
+    def _tl_code_words(w_ptr, wbase, oc, omask, BITS: tl.constexpr, G: tl.constexpr,
+                       BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
+                       MASKED: tl.constexpr):
+        """Code words of the tile's octets: INT4 -> w [G, BPP, REP, U] (one word per octet);
+        INT8 -> (wa, wb), each [G, BPP, REP, U] (elements 0..3 and 4..7 of the octet). Masked
+        octets read as 0 words (codes 0)."""
         if BITS == 4:
-            w = tl.load(w32_ptr + wbase + blk[:, None] * (B // 8) + i[None, :], mask=m, other=0)
-            wx = (w ^ -2004318072) | _TWO23          # 0x88888888: nibbles to offset binary
-            hx = ((w >> 20) ^ 0x888) | _TWO23         # nibbles 5..7 moved to bits 0..11
+            if MASKED:
+                w = tl.load(w_ptr + wbase + oc, mask=omask, other=0)
+            else:
+                w = tl.load(w_ptr + wbase + oc)
+            wb = w
+        else:  # two words per octet; 16-byte vectors = 2 octets: [G, BPP, REP, U // 2, 4]
+            oc2 = tl.reshape(oc, (G, BPP, REP, U // 2, 2))
+            oc2, _ = tl.split(oc2)                     # first octet of each pair
+            idx = (2 * oc2)[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :]
+            if MASKED:
+                m2 = tl.reshape(omask, (G, BPP, REP, U // 2, 2))
+                m2, _ = tl.split(m2)
+                ww = tl.load(w_ptr + wbase + idx, mask=m2[:, :, :, :, None], other=0)
+            else:
+                ww = tl.load(w_ptr + wbase + idx)
+            w, wb = tl.split(tl.reshape(ww, (G, BPP, REP, U, 2)))
+        return w, wb
+
+    @triton.jit
+    def _tl_acc_source(a0, a1, a2, a3, a4, a5, a6, a7, w32_ptr, f32_ptr, base, oc, omask, b0,
+                       blk, nb, BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
+                       BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
+                       MASKED: tl.constexpr, FIRST: tl.constexpr, SLOW: tl.constexpr,
+                       EMU: tl.constexpr):
+        """Accumulate the piece at word offset ``base`` (the tile's blocks) into the 8 lanes.
+        Per code: one LOP3 + one FADD (exact code * 2**POS) + one FFMA; per INT4 word one more
+        shift (nibbles 5..7), per INT8 word one (bytes 2, 3)."""
+        Q: tl.constexpr = (1 << (BITS - 1)) - 1
+        OB: tl.constexpr = B // 8
+        cw = tl.cast(nb, tl.int64) * (B * BITS // 32)          # code words per piece
+        wt = base + b0.to(tl.int64) * (OB * BITS // 4)          # the tile's first code word
+        if MASKED:
+            s1 = tl.load(f32_ptr + base + cw + blk, mask=blk < nb, other=0.0)
+        else:
+            s1 = tl.load(f32_ptr + base + cw + blk)
+        s = s1[None, :, None, None]
+        si = s == _INF
+        w, wb = _tl_code_words(w32_ptr, wt, oc, omask, BITS, G, BPP, REP, U, MASKED)
+        if BITS == 4:
+            h = w >> 12                                         # nibbles 5..7 at bits 8..19
             s4 = s * 0.0625
             s8 = s * 0.00390625
-            a0 = _tl_acc_lane(a0, _tl_field(wx, 0, 4), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a1 = _tl_acc_lane(a1, _tl_field(wx, 4, 4), s, s4, si, 4, Q, FIRST, SLOW, EMU)
-            a2 = _tl_acc_lane(a2, _tl_field(wx, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a3 = _tl_acc_lane(a3, _tl_field(wx, 12, 4), s, s * 0.000244140625, si, 12, Q, FIRST,
-                              SLOW, EMU)
-            a4 = _tl_acc_lane(a4, _tl_field(wx, 16, 4), s, s * 1.52587890625e-05, si, 16, Q,
-                              FIRST, SLOW, EMU)
-            a5 = _tl_acc_lane(a5, _tl_field(hx, 0, 4), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a6 = _tl_acc_lane(a6, _tl_field(hx, 4, 4), s, s4, si, 4, Q, FIRST, SLOW, EMU)
-            a7 = _tl_acc_lane(a7, _tl_field(hx, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            s12 = s * 0.000244140625
+            s16 = s * 1.52587890625e-05
+            a0 = _tl_acc_lane(a0, _tl_field(w, 0, 4), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a1 = _tl_acc_lane(a1, _tl_field(w, 4, 4), s, s4, si, 4, Q, FIRST, SLOW, EMU)
+            a2 = _tl_acc_lane(a2, _tl_field(w, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a3 = _tl_acc_lane(a3, _tl_field(w, 12, 4), s, s12, si, 12, Q, FIRST, SLOW, EMU)
+            a4 = _tl_acc_lane(a4, _tl_field(w, 16, 4), s, s16, si, 16, Q, FIRST, SLOW, EMU)
+            a5 = _tl_acc_lane(a5, _tl_field(h, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a6 = _tl_acc_lane(a6, _tl_field(h, 12, 4), s, s12, si, 12, Q, FIRST, SLOW, EMU)
+            a7 = _tl_acc_lane(a7, _tl_field(h, 16, 4), s, s16, si, 16, Q, FIRST, SLOW, EMU)
         else:
-            j = tl.arange(0, 2 * NW)
-            m2 = rowok[:, None] & (j < B // 4)[None, :]
-            w = tl.load(w32_ptr + wbase + blk[:, None] * (B // 4) + j[None, :], mask=m2, other=0)
-            wa, wb = tl.split(tl.reshape(w, (BPP, NW, 2)))
-            ax = (wa ^ -2139062144) | _TWO23         # 0x80808080: bytes to offset binary
-            bx = (wb ^ -2139062144) | _TWO23
-            ah = ((wa >> 16) ^ 0x8080) | _TWO23       # bytes 2, 3 moved to bits 0..15
-            bh = ((wb >> 16) ^ 0x8080) | _TWO23
+            ha = w >> 16                                        # bytes 2, 3 at bits 0..15
+            hb = wb >> 16
             s8 = s * 0.00390625
-            a0 = _tl_acc_lane(a0, _tl_field(ax, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a1 = _tl_acc_lane(a1, _tl_field(ax, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a2 = _tl_acc_lane(a2, _tl_field(ah, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a3 = _tl_acc_lane(a3, _tl_field(ah, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a4 = _tl_acc_lane(a4, _tl_field(bx, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a5 = _tl_acc_lane(a5, _tl_field(bx, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a6 = _tl_acc_lane(a6, _tl_field(bh, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a7 = _tl_acc_lane(a7, _tl_field(bh, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a0 = _tl_acc_lane(a0, _tl_field(w, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a1 = _tl_acc_lane(a1, _tl_field(w, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a2 = _tl_acc_lane(a2, _tl_field(ha, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a3 = _tl_acc_lane(a3, _tl_field(ha, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a4 = _tl_acc_lane(a4, _tl_field(wb, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a5 = _tl_acc_lane(a5, _tl_field(wb, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a6 = _tl_acc_lane(a6, _tl_field(hb, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a7 = _tl_acc_lane(a7, _tl_field(hb, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
         return a0, a1, a2, a3, a4, a5, a6, a7
 
     @triton.jit
-    def _tl_sum_sources(w32_ptr, f32_ptr, base0, stride, blk, nb, K: tl.constexpr,
-                        BITS: tl.constexpr, B: tl.constexpr, BPP: tl.constexpr,
-                        NW: tl.constexpr, SLOW: tl.constexpr, EMU: tl.constexpr):
-        """Sum, in source order, of the pieces at byte offsets ``base0 + k * stride`` (k < K):
+    def _tl_sum_sources(w32_ptr, f32_ptr, base0, stride, oc, omask, b0, blk, nb, K: tl.constexpr,
+                        BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
+                        BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
+                        MASKED: tl.constexpr, SLOW: tl.constexpr, EMU: tl.constexpr):
+        """Sum, in source order, of the pieces at word offsets ``base0 + k * stride`` (k < K):
         acc = code_0 * s_0, then acc = fma(code_k, s_k, acc). Unrolled and branch-free, so that
         the loads of all sources can be in flight together."""
-        z = tl.zeros((BPP, NW), tl.float32)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_acc_source(z, z, z, z, z, z, z, z, w32_ptr, f32_ptr,
-                                                        base0, blk, nb, BITS, B, BPP, NW, True,
-                                                        SLOW, EMU)
+        z = tl.zeros((G, BPP, REP, U), tl.float32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_acc_source(
+            z, z, z, z, z, z, z, z, w32_ptr, f32_ptr, base0, oc, omask, b0, blk, nb, BITS, B, G, BPP,
+            REP, U, MASKED, True, SLOW, EMU)
         for k in tl.static_range(1, K):
-            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_acc_source(a0, a1, a2, a3, a4, a5, a6, a7,
-                                                            w32_ptr, f32_ptr, base0 + k * stride,
-                                                            blk, nb, BITS, B, BPP, NW, False,
-                                                            SLOW, EMU)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_acc_source(
+                a0, a1, a2, a3, a4, a5, a6, a7, w32_ptr, f32_ptr, base0 + k * stride, oc, omask,
+                b0, blk, nb, BITS, B, G, BPP, REP, U, MASKED, False, SLOW, EMU)
         return a0, a1, a2, a3, a4, a5, a6, a7
 
     @triton.jit
@@ -503,191 +553,303 @@ if HAS_TRITON:
         """Does any source's tile hold an inf-marker block or a scale below 2**-100?"""
         rowok = blk < nb
         cw = tl.cast(nb, tl.int64) * (B * BITS // 32)
-        s = tl.load(f32_ptr + base0 // 4 + cw + blk, mask=rowok, other=1.0)
+        s = tl.load(f32_ptr + base0 + cw + blk, mask=rowok, other=1.0)
         flag = (s == _INF) | ((s > 0.0) & (s < _TINY))
         for k in tl.static_range(1, K):
-            s = tl.load(f32_ptr + (base0 + k * stride) // 4 + cw + blk, mask=rowok, other=1.0)
+            s = tl.load(f32_ptr + (base0 + k * stride) + cw + blk, mask=rowok, other=1.0)
             flag = flag | (s == _INF) | ((s > 0.0) & (s < _TINY))
         return tl.max(flag.to(tl.int32), axis=0) > 0
 
-    @triton.jit
-    def _tl_fin_abs(x):
-        """(|x| where finite else 0, 1 where non-finite else 0)."""
-        a = tl.abs(x)
-        fin = a < _INF                  # false for +-inf and NaN
-        return tl.where(fin, a, 0.0), tl.where(fin, 0, 1)
+    # ---- values -> codes ----------------------------------------------------------------
 
     @triton.jit
-    def _tl_code(x, inv, bad, Q: tl.constexpr, CHECK: tl.constexpr):
-        """int32 whose low bits are the two's complement code of x (see _MAGIC)."""
-        c = (x * inv + _MAGIC).to(tl.int32, bitcast=True)
+    def _tl_scales(x0, x1, x2, x3, x4, x5, x6, x7, Q: tl.constexpr):
+        """Per block: (scale, inv, bad). absmax with NaN propagated (FMNMX.NAN, |.| operands:
+        one instruction per element); a block is non-finite (bad) unless absmax < inf."""
+        m = _tl_nanmax(_tl_nanmax(_tl_nanmax(tl.abs(x0), tl.abs(x1)), _tl_nanmax(tl.abs(x2), tl.abs(x3))),
+                       _tl_nanmax(_tl_nanmax(tl.abs(x4), tl.abs(x5)), _tl_nanmax(tl.abs(x6), tl.abs(x7))))
+        amax = tl.reduce(tl.reduce(tl.reduce(m, 3, _tl_nanmax), 2, _tl_nanmax), 0, _tl_nanmax)
+        bad = ~(amax < _INF)
+        qv = tl.full(amax.shape, Q * 1.0, tl.float32)
+        scale = tl.where(bad, _INF, tl.math.div_rn(amax, qv))
+        pos = (amax > 0.0) & ~bad
+        inv = tl.where(pos, tl.minimum(tl.math.div_rn(qv, tl.where(pos, amax, 1.0)), _FLT_MAX), 0.0)
+        return scale, inv, bad
+
+    @triton.jit
+    def _tl_code(x, inv, BITS: tl.constexpr, CHECK: tl.constexpr):
+        """int32 whose low bits are the code of x: two's complement (INT8) or offset binary
+        code + 8 (INT4), see _MAGIC. |x * inv| <= q (1 + 2**-24)**2 < q + 1/2: no clamp.
+        CHECK: non-finite x (found only in blocks with inv = 0, whose finite values get code
+        0) get NaN -> -(q+1), +inf -> q, -inf -> -q."""
+        Q: tl.constexpr = (1 << (BITS - 1)) - 1
+        OFF: tl.constexpr = 8 if BITS == 4 else 0
+        if BITS == 4:
+            c = (x * inv + _MAGIC4).to(tl.int32, bitcast=True)
+        else:
+            c = (x * inv + _MAGIC).to(tl.int32, bitcast=True)
         if CHECK:
-            sp = tl.where(x != x, -Q - 1, tl.where(x == _INF, Q, tl.where(x == -_INF, -Q, 0)))
-            c = tl.where(bad, sp, c)
+            sp = tl.where(x != x, -Q - 1, tl.where(x > 0.0, Q, -Q)) + OFF
+            c = tl.where(tl.abs(x) < _INF, c, sp)
         return c
 
     @triton.jit
-    def _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, w32_ptr, f32_ptr, base, blk, nb,
-                        BITS: tl.constexpr, B: tl.constexpr, BPP: tl.constexpr,
-                        NW: tl.constexpr, NAN_FREE: tl.constexpr):
-        """Quantize 8 lanes (entries past the piece's end must be 0) and store blocks ``blk`` of
-        the piece at byte offset ``base``. ``NAN_FREE``: the caller knows there is no NaN (sums
-        of inputs without inf markers: only overflow to +-inf is possible); then a block's max
-        |x| is its finite absmax unless it is inf, which marks the block anyway."""
-        Q: tl.constexpr = (1 << (BITS - 1)) - 1
-        rowok = blk < nb
-        if NAN_FREE:
-            amax = tl.max(tl.maximum(
-                tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
-                tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7)))),
-                axis=1)
-            nbad = tl.where(amax == _INF, 1, 0)
-            amax = tl.where(amax == _INF, 0.0, amax)
-        else:
-            a0, b0 = _tl_fin_abs(x0)    # elementwise over the lanes first, one row reduction
-            a1, b1 = _tl_fin_abs(x1)
-            a2, b2 = _tl_fin_abs(x2)
-            a3, b3 = _tl_fin_abs(x3)
-            a4, b4 = _tl_fin_abs(x4)
-            a5, b5 = _tl_fin_abs(x5)
-            a6, b6 = _tl_fin_abs(x6)
-            a7, b7 = _tl_fin_abs(x7)
-            amax = tl.max(tl.maximum(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)),
-                                     tl.maximum(tl.maximum(a4, a5), tl.maximum(a6, a7))), axis=1)
-            nbad = tl.max(b0 | b1 | b2 | b3 | b4 | b5 | b6 | b7, axis=1)
-        qv = tl.full((BPP,), Q * 1.0, tl.float32)
-        scale = tl.math.div_rn(amax, qv)
-        safe = tl.where(amax > 0.0, amax, 1.0)
-        inv = tl.where(amax > 0.0, tl.math.div_rn(qv, safe), 0.0)
-        inv = tl.minimum(inv, _FLT_MAX)[:, None]
-        # |x * inv| <= q (1 + 2**-24)**2 < q + 1/2, so rint never leaves [-q, q] (no clamp).
-        bad = (nbad > 0)[:, None]
-        if tl.max(nbad, axis=0) > 0:    # rare: non-finite values somewhere in this tile
-            c0 = _tl_code(x0, inv, bad, Q, True)
-            c1 = _tl_code(x1, inv, bad, Q, True)
-            c2 = _tl_code(x2, inv, bad, Q, True)
-            c3 = _tl_code(x3, inv, bad, Q, True)
-            c4 = _tl_code(x4, inv, bad, Q, True)
-            c5 = _tl_code(x5, inv, bad, Q, True)
-            c6 = _tl_code(x6, inv, bad, Q, True)
-            c7 = _tl_code(x7, inv, bad, Q, True)
-            scale = tl.where(nbad > 0, _INF, scale)
-        else:
-            c0 = _tl_code(x0, inv, bad, Q, False)
-            c1 = _tl_code(x1, inv, bad, Q, False)
-            c2 = _tl_code(x2, inv, bad, Q, False)
-            c3 = _tl_code(x3, inv, bad, Q, False)
-            c4 = _tl_code(x4, inv, bad, Q, False)
-            c5 = _tl_code(x5, inv, bad, Q, False)
-            c6 = _tl_code(x6, inv, bad, Q, False)
-            c7 = _tl_code(x7, inv, bad, Q, False)
-        wbase = base // 4
-        cw = tl.cast(nb, tl.int64) * (B * BITS // 32)
-        i = tl.arange(0, NW)
+    def _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv, w_ptr, wbase, oc, omask,
+                        BITS: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
+                        REP: tl.constexpr, U: tl.constexpr, MASKED: tl.constexpr,
+                        CHECK: tl.constexpr):
+        """Codes of the 8 lanes (inv [1, BPP, 1, 1]) packed and stored at word wbase + ..."""
+        c0 = _tl_code(x0, inv, BITS, CHECK)
+        c1 = _tl_code(x1, inv, BITS, CHECK)
+        c2 = _tl_code(x2, inv, BITS, CHECK)
+        c3 = _tl_code(x3, inv, BITS, CHECK)
+        c4 = _tl_code(x4, inv, BITS, CHECK)
+        c5 = _tl_code(x5, inv, BITS, CHECK)
+        c6 = _tl_code(x6, inv, BITS, CHECK)
+        c7 = _tl_code(x7, inv, BITS, CHECK)
         if BITS == 4:
-            w = (c0 & 15) | ((c1 & 15) << 4) | ((c2 & 15) << 8) | ((c3 & 15) << 12)
-            w = w | ((c4 & 15) << 16) | ((c5 & 15) << 20) | ((c6 & 15) << 24) | (c7 << 28)
-            m = rowok[:, None] & (i < B // 8)[None, :]
-            tl.store(w32_ptr + wbase + blk[:, None] * (B // 8) + i[None, :], w, mask=m)
+            # offset-binary nibbles have nothing above bit 3 (below bit 22), so shifted adds
+            # (IMAD / LEA) pack four of them into 16 clean bits; one PRMT, one XOR per word
+            lo = c0 + (c1 << 4) + (c2 << 8) + (c3 << 12)
+            hi = c4 + (c5 << 4) + (c6 << 8) + (c7 << 12)
+            w = ((lo & 0xFFFF) | (hi << 16)) ^ -2004318072    # 0x88888888: back to two's compl.
+            if MASKED:
+                tl.store(w_ptr + wbase + oc, w, mask=omask)
+            else:
+                tl.store(w_ptr + wbase + oc, w)
         else:
             wa = (c0 & 255) | ((c1 & 255) << 8) | ((c2 & 255) << 16) | (c3 << 24)
             wb = (c4 & 255) | ((c5 & 255) << 8) | ((c6 & 255) << 16) | (c7 << 24)
-            w = tl.reshape(tl.join(wa, wb), (BPP, 2 * NW))
-            j = tl.arange(0, 2 * NW)
-            m = rowok[:, None] & (j < B // 4)[None, :]
-            tl.store(w32_ptr + wbase + blk[:, None] * (B // 4) + j[None, :], w, mask=m)
-        tl.store(f32_ptr + wbase + cw + blk, scale, mask=rowok)
+            ww = tl.reshape(tl.join(wa, wb), (G, BPP, REP, U // 2, 4))
+            oc2, _ = tl.split(tl.reshape(oc, (G, BPP, REP, U // 2, 2)))
+            idx = (2 * oc2)[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :]
+            if MASKED:
+                m2, _ = tl.split(tl.reshape(omask, (G, BPP, REP, U // 2, 2)))
+                tl.store(w_ptr + wbase + idx, ww, mask=m2[:, :, :, :, None])
+            else:
+                tl.store(w_ptr + wbase + idx, ww)
+
+    # ---- kernels --------------------------------------------------------------------------
+
+    @triton.jit
+    def _tl_load_grad(x_ptr, xb, oc, oin, lim, OB: tl.constexpr, G: tl.constexpr,
+                      BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr, V: tl.constexpr,
+                      MODE: tl.constexpr, MASKED: tl.constexpr, PAD: tl.constexpr):
+        """The tile's elements as 8 float32 lanes. xb: the tile's first element (int64); lim:
+        elements of the tile inside the shard (masked loads read 0 past it, and in the padding
+        octets of blocks whose octet count is no power of 2). MODE 0: float elements in V-element
+        (16-byte) vectors; 1: bfloat16 elements read as int16 bits; 2: bfloat16 pairs read as
+        int32 (one instruction per element to decode); 3: float16 pairs read as int32."""
+        if MODE >= 2:   # [G, BPP, REP, U, 4] pairs; an octet is 4 pairs (16 bytes)
+            idx = (oc * 4)[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :]
+            if MASKED:
+                msk = idx * 2 < lim
+                if PAD:
+                    msk = msk & (oin < OB)[:, :, :, :, None]
+                w = tl.load(x_ptr + xb // 2 + idx, mask=msk, other=0)
+            else:
+                w = tl.load(x_ptr + xb // 2 + idx)
+            if MODE == 2:
+                lo = (w << 16).to(tl.float32, bitcast=True)
+                hi = (w & -65536).to(tl.float32, bitcast=True)
+            else:
+                lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x = tl.reshape(tl.join(lo, hi), (G, BPP, REP, U, 8))
+        else:
+            idx = ((oc * 8)[:, :, :, :, None, None] + (tl.arange(0, 8 // V) * V)[None, None, None, None, :, None]
+                   + tl.arange(0, V)[None, None, None, None, None, :])
+            if MASKED:
+                msk = idx < lim
+                if PAD:
+                    msk = msk & (oin < OB)[:, :, :, :, None, None]
+                xi = tl.load(x_ptr + xb + idx, mask=msk, other=0)
+            else:
+                xi = tl.load(x_ptr + xb + idx)
+            if MODE == 1:
+                x = (xi.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                x = xi.to(tl.float32)
+            x = tl.reshape(x, (G, BPP, REP, U, 8))
+        return _tl_split8(x, G, BPP, REP, U)
 
     @triton.jit
     def _qgz_quantize_kernel(x_ptr, w32_ptr, f32_ptr, S, nb, N, R, BITS: tl.constexpr,
-                             B: tl.constexpr, BPP: tl.constexpr, NW: tl.constexpr,
-                             DECODE_BF16: tl.constexpr):
+                             B: tl.constexpr, BPP: tl.constexpr, G: tl.constexpr,
+                             REP: tl.constexpr, U: tl.constexpr, V: tl.constexpr,
+                             MODE: tl.constexpr, EVEN: tl.constexpr):
+        Q: tl.constexpr = (1 << (BITS - 1)) - 1
+        OB: tl.constexpr = B // 8
+        PAD: tl.constexpr = (OB & (OB - 1)) != 0       # octets per block not a power of 2
+        MASKED: tl.constexpr = (not EVEN) or PAD
         pid = tl.program_id(0)
         o = tl.program_id(1)            # output piece: destination local rank l outer, node m inner
         l = o // N
         mm = o % N
         shard = mm * R + l              # the reorder: read shard (m, l) of g viewed [N, R, S]
         blk = pid * BPP + tl.arange(0, BPP)
-        c = tl.arange(0, 8 * NW)
-        idx = blk[:, None] * B + c[None, :]
-        msk = (c < B)[None, :] & (idx < S)
-        ptrs = x_ptr + shard.to(tl.int64) * S + idx
-        if DECODE_BF16:  # interpreter: x_ptr is the bf16 tensor viewed as int16; exact decode
-            xi = tl.load(ptrs, mask=msk, other=0)
-            x = (xi.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:            # fp32 / fp16 / bf16 read in their own dtype, upcast exactly
-            x = tl.load(ptrs, mask=msk, other=0.0).to(tl.float32)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _tl_split8(x, BPP, NW)
-        pb = tl.cast(nb, tl.int64) * (B * BITS // 8 + 4)
-        _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, w32_ptr, f32_ptr, o.to(tl.int64) * pb,
-                        blk, nb, BITS, B, BPP, NW, False)
+        oc, oin = _tl_octets(G, BPP, REP, U, OB)
+        omask = (oin < OB) & (blk < nb)[None, :, None, None]      # codes to store
+        t0 = pid.to(tl.int64) * (BPP * B)
+        xb = shard.to(tl.int64) * S + t0
+        lim = tl.minimum(S - t0, BPP * B).to(tl.int32)           # elements of the tile in the shard
+        x0, x1, x2, x3, x4, x5, x6, x7 = _tl_load_grad(x_ptr, xb, oc, oin, lim, OB, G, BPP, REP, U,
+                                                       V, MODE, MASKED, PAD)
+        scale, inv, bad = _tl_scales(x0, x1, x2, x3, x4, x5, x6, x7, Q)
+        inv4 = inv[None, :, None, None]
+        pw = tl.cast(nb, tl.int64) * (B * BITS // 32 + 1)     # piece size in words
+        wbase = o.to(tl.int64) * pw + pid.to(tl.int64) * (BPP * OB * BITS // 4)
+        _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, BITS, G,
+                        BPP, REP, U, MASKED, False)
+        sb = o.to(tl.int64) * pw + tl.cast(nb, tl.int64) * (B * BITS // 32)
+        if MASKED:
+            tl.store(f32_ptr + sb + blk, scale, mask=blk < nb)
+        else:
+            tl.store(f32_ptr + sb + blk, scale)
+        if tl.max(bad.to(tl.int32), axis=0) > 0:    # RARE: non-finite values in this tile
+            # Rewrite the tile's codes with the special ones, from the input read again (nothing
+            # of the common path stays live for this branch). lim1 == lim in effect; a
+            # different bound keeps the compiler from holding the first load's mask.
+            lim1 = tl.minimum(S - t0, BPP * B + 16).to(tl.int32)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _tl_load_grad(x_ptr, xb, oc, oin, lim1, OB, G, BPP,
+                                                           REP, U, V, MODE, MASKED, PAD)
+            _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, BITS,
+                            G, BPP, REP, U, MASKED, True)
+
+    @triton.jit
+    def _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc, omask, b0,
+                        blk, nb, K: tl.constexpr, IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr,
+                        B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr,
+                        U: tl.constexpr, MASKED: tl.constexpr, SLOW: tl.constexpr,
+                        CHECK: tl.constexpr, EMU: tl.constexpr):
+        """Sum the sources over the tile, requantize, store; returns 'some block non-finite'."""
+        Q: tl.constexpr = (1 << (OUT_BITS - 1)) - 1
+        OB: tl.constexpr = B // 8
+        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_sources(in_w32, in_f32, base0, stride, oc, omask,
+                                                         b0, blk, nb, K, IN_BITS, B, G, BPP, REP,
+                                                         U, MASKED, SLOW, EMU)
+        scale, inv, bad = _tl_scales(a0, a1, a2, a3, a4, a5, a6, a7, Q)
+        wb = obase + b0.to(tl.int64) * (OB * OUT_BITS // 4)
+        _tl_quant_store(a0, a1, a2, a3, a4, a5, a6, a7, inv[None, :, None, None], out_w32, wb, oc,
+                        omask, OUT_BITS, G, BPP, REP, U, MASKED, CHECK)
+        sb = obase + tl.cast(nb, tl.int64) * (B * OUT_BITS // 32)
+        if MASKED:
+            tl.store(out_f32 + sb + blk, scale, mask=blk < nb)
+        else:
+            tl.store(out_f32 + sb + blk, scale)
+        return tl.max(bad.to(tl.int32), axis=0)
 
     @triton.jit
     def _qgz_reduce_requantize_kernel(in_w32, in_f32, out_w32, out_f32, P, nb, K: tl.constexpr,
                                       IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr,
-                                      B: tl.constexpr, BPP: tl.constexpr, NW: tl.constexpr,
+                                      B: tl.constexpr, BPP: tl.constexpr, G: tl.constexpr,
+                                      REP: tl.constexpr, U: tl.constexpr, EVEN: tl.constexpr,
                                       EMU: tl.constexpr):
+        OB: tl.constexpr = B // 8
+        PAD: tl.constexpr = (OB & (OB - 1)) != 0
+        MASKED: tl.constexpr = (not EVEN) or PAD
         pid = tl.program_id(0)
         p = tl.program_id(1)
-        blk = pid * BPP + tl.arange(0, BPP)
-        pb_in = tl.cast(nb, tl.int64) * (B * IN_BITS // 8 + 4)
-        pb_out = tl.cast(nb, tl.int64) * (B * OUT_BITS // 8 + 4)
-        # source k, piece p at byte (k * P + p) * pb_in; every source read once
-        base0 = p.to(tl.int64) * pb_in
-        stride = P * pb_in
-        if _tl_any_slow(in_f32, base0, stride, blk, nb, K, IN_BITS, B):   # rare, tile-uniform
-            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_sources(in_w32, in_f32, base0, stride, blk, nb,
-                                                             K, IN_BITS, B, BPP, NW, True, EMU)
-            _tl_quant_store(a0, a1, a2, a3, a4, a5, a6, a7, out_w32, out_f32,
-                            p.to(tl.int64) * pb_out, blk, nb, OUT_BITS, B, BPP, NW, False)
+        b0 = pid * BPP
+        blk = b0 + tl.arange(0, BPP)
+        oc, oin = _tl_octets(G, BPP, REP, U, OB)
+        omask = (oin < OB) & (blk < nb)[None, :, None, None]
+        pw_in = tl.cast(nb, tl.int64) * (B * IN_BITS // 32 + 1)      # piece size in words
+        pw_out = tl.cast(nb, tl.int64) * (B * OUT_BITS // 32 + 1)
+        # source k, piece p at word (k * P + p) * pw_in; every source read once
+        base0 = p.to(tl.int64) * pw_in
+        stride = P * pw_in
+        obase = p.to(tl.int64) * pw_out
+        if _tl_any_slow(in_f32, base0, stride, blk, nb, K, IN_BITS, B):   # RARE: tile-uniform
+            _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc, omask, b0,
+                            blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED, True, True, EMU)
         else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_sources(in_w32, in_f32, base0, stride, blk, nb,
-                                                             K, IN_BITS, B, BPP, NW, False, EMU)
-            _tl_quant_store(a0, a1, a2, a3, a4, a5, a6, a7, out_w32, out_f32,
-                            p.to(tl.int64) * pb_out, blk, nb, OUT_BITS, B, BPP, NW, True)
+            # Sums of finite products have no NaN; they may overflow to +-inf (rare: then the
+            # tile is done again, with the special codes).
+            nbad = _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc,
+                                   omask, b0, blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED,
+                                   False, False, EMU)
+            if nbad > 0:  # RARE
+                _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc, omask,
+                                b0, blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED, False,
+                                True, EMU)
 
     @triton.jit
-    def _qgz_dequantize_reduce_kernel(in_w32, in_f32, out_ptr, S, nb, scale, K: tl.constexpr,
-                                      BITS: tl.constexpr, B: tl.constexpr, BPP: tl.constexpr,
-                                      NW: tl.constexpr, ENCODE_BF16: tl.constexpr,
-                                      EMU: tl.constexpr):
-        pid = tl.program_id(0)
-        blk = pid * BPP + tl.arange(0, BPP)
-        pb = tl.cast(nb, tl.int64) * (B * BITS // 8 + 4)
-        base0 = pb * 0
-        if _tl_any_slow(in_f32, base0, pb, blk, nb, K, BITS, B):            # rare, tile-uniform
-            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_sources(in_w32, in_f32, base0, pb, blk, nb, K,
-                                                             BITS, B, BPP, NW, True, EMU)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_sources(in_w32, in_f32, base0, pb, blk, nb, K,
-                                                             BITS, B, BPP, NW, False, EMU)
-        y = _tl_join8(a0, a1, a2, a3, a4, a5, a6, a7, BPP, NW) * scale
-        c = tl.arange(0, 8 * NW)
-        idx = blk[:, None] * B + c[None, :]
-        msk = (c < B)[None, :] & (idx < S)
+    def _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, omask, b0, blk, nb, lim, scale,
+                         K: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
+                         BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr, V: tl.constexpr,
+                         MASKED: tl.constexpr, PAD: tl.constexpr, SLOW: tl.constexpr,
+                         ENCODE_BF16: tl.constexpr, EMU: tl.constexpr):
+        """Sum the sources over the tile, times ``scale``, stored in the output dtype (V-element
+        16-byte vectors)."""
+        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_sources(in_w32, in_f32, pw * 0, pw, oc, omask, b0,
+                                                         blk, nb, K, BITS, B, G, BPP, REP, U,
+                                                         MASKED, SLOW, EMU)
+        y = _tl_join8(a0, a1, a2, a3, a4, a5, a6, a7, G, BPP, REP, U) * scale
+        y = tl.reshape(y, (G, BPP, REP, U, 8 // V, V))
+        idx = ((oc * 8)[:, :, :, :, None, None] + (tl.arange(0, 8 // V) * V)[None, None, None, None, :, None]
+               + tl.arange(0, V)[None, None, None, None, None, :])
         if ENCODE_BF16:  # interpreter: out_ptr is the bf16 output viewed as int16; exact RNE
             u = y.to(tl.uint32, bitcast=True)
             r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
             r = tl.where(y != y, 0x7FC0, r)
-            tl.store(out_ptr + idx, r.to(tl.int16), mask=msk)
+            res = r.to(tl.int16)
         else:            # GPU: cvt.rn (round to nearest even), as torch's .to()
-            tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=msk)
+            res = y.to(out_ptr.dtype.element_ty)
+        t0 = b0.to(tl.int64) * B
+        if MASKED:
+            msk = idx < lim
+            if PAD:
+                msk = msk & (oin < B // 8)[:, :, :, :, None, None]
+            tl.store(out_ptr + t0 + idx, res, mask=msk)
+        else:
+            tl.store(out_ptr + t0 + idx, res)
+
+    @triton.jit
+    def _qgz_dequantize_reduce_kernel(in_w32, in_f32, out_ptr, S, nb, scale, K: tl.constexpr,
+                                      BITS: tl.constexpr, B: tl.constexpr, BPP: tl.constexpr,
+                                      G: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
+                                      V: tl.constexpr, EVEN: tl.constexpr,
+                                      ENCODE_BF16: tl.constexpr, EMU: tl.constexpr):
+        OB: tl.constexpr = B // 8
+        PAD: tl.constexpr = (OB & (OB - 1)) != 0
+        MASKED: tl.constexpr = (not EVEN) or PAD
+        pid = tl.program_id(0)
+        b0 = pid * BPP
+        blk = b0 + tl.arange(0, BPP)
+        oc, oin = _tl_octets(G, BPP, REP, U, OB)
+        omask = (oin < OB) & (blk < nb)[None, :, None, None]
+        lim = tl.minimum(S - pid.to(tl.int64) * (BPP * B), BPP * B).to(tl.int32)
+        pw = tl.cast(nb, tl.int64) * (B * BITS // 32 + 1)
+        if _tl_any_slow(in_f32, pw * 0, pw, blk, nb, K, BITS, B):        # RARE: tile-uniform
+            _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, omask, b0, blk, nb, lim, scale, K,
+                             BITS, B, G, BPP, REP, U, V, MASKED, PAD, True, ENCODE_BF16, EMU)
+        else:
+            _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, omask, b0, blk, nb, lim, scale, K,
+                             BITS, B, G, BPP, REP, U, V, MASKED, PAD, False, ENCODE_BF16, EMU)
 
 
 # Elements per program tile and warps per program, per kernel (the benchmark's --sweep reports
-# alternatives on the GPU).
+# alternatives on the GPU). A thread holds tile_elems / (32 * num_warps) elements.
 TUNING = {
-    "quantize": dict(tile_elems=4096, num_warps=4),
-    "reduce_requantize": dict(tile_elems=16384, num_warps=8),
-    "dequantize_reduce": dict(tile_elems=16384, num_warps=8),
+    "quantize": dict(tile_elems=8192, num_warps=4),
+    "reduce_requantize": dict(tile_elems=8192, num_warps=4),
+    "dequantize_reduce": dict(tile_elems=8192, num_warps=4),
 }
+U_OCTETS = 4   # octets per thread vector (see the tile comment above the kernels)
 
 
-def _tile(kernel: str, block_size: int, tile_elems):
-    """(BPP blocks per program, NW = columns per lane = next_pow2(B) / 8)."""
-    bp2 = triton.next_power_of_2(block_size)
-    bpp = triton.next_power_of_2(max(1, (tile_elems or TUNING[kernel]["tile_elems"]) // bp2))
-    return bpp, bp2 // 8
+def _tile(kernel: str, block_size: int, nb: int, tile_elems, num_warps):
+    """(BPP blocks per program, G threads per block, REP octet vectors per thread per block, U,
+    warps)."""
+    warps = num_warps or TUNING[kernel]["num_warps"]
+    opr = triton.next_power_of_2(block_size // 8)           # octets per block, padded
+    U = U_OCTETS
+    bpp = triton.next_power_of_2(max(1, (tile_elems or TUNING[kernel]["tile_elems"]) // (8 * opr)))
+    bpp = min(bpp, triton.next_power_of_2(nb))              # small inputs: no masked blocks
+    per_thread = max(U, bpp * opr // (32 * warps))          # octets per thread in the tile
+    per_row = min(opr, per_thread)                          # ... of one block
+    return bpp, opr // per_row, per_row // U, U, warps
 
 
 def _aligned_u8(buf: torch.Tensor) -> torch.Tensor:
@@ -721,13 +883,14 @@ class _LaunchCtx:
         return False
 
 
-def _opts(kernel: str, num_warps):
-    return dict(num_warps=num_warps or TUNING[kernel]["num_warps"], enable_fp_fusion=False)
-
-
 def _require_triton():
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
+
+
+def _vec(esize: int) -> int:
+    """Elements per 16-byte vector (at most the 8 of an octet)."""
+    return min(8, 16 // esize)
 
 
 def qgz_quantize_triton(grad, num_nodes, ranks_per_node, bits, block_size, *, tile_elems=None,
@@ -739,15 +902,23 @@ def qgz_quantize_triton(grad, num_nodes, ranks_per_node, bits, block_size, *, ti
     nb = num_blocks(S, block_size)
     P = num_nodes * ranks_per_node
     out = torch.empty(P * piece_bytes(S, block_size, bits), dtype=torch.uint8, device=grad.device)
-    bpp, nw = _tile("quantize", block_size, tile_elems)
-    interp = _interpreting()
-    decode = interp and grad.dtype == torch.bfloat16
-    x = grad.view(torch.int16) if decode else grad
+    bpp, G, rep, U, warps = _tile("quantize", block_size, nb, tile_elems, num_warps)
+    # 16-bit inputs are read as int32 pairs (exact, cheap decode) when shards keep pairs aligned
+    pairs = grad.element_size() == 2 and S % 2 == 0 and grad.data_ptr() % 4 == 0
+    if grad.dtype == torch.float32:
+        mode, x = 0, grad
+    elif pairs:
+        mode, x = (2 if grad.dtype == torch.bfloat16 else 3), grad.view(torch.int32)
+    elif grad.dtype == torch.bfloat16:
+        mode, x = 1, grad.view(torch.int16)     # the interpreter has no bfloat16 loads
+    else:
+        mode, x = 0, grad
+    even = S % (bpp * block_size) == 0
     with _LaunchCtx(grad):
         _qgz_quantize_kernel[(triton.cdiv(nb, bpp), P)](
             x, out.view(torch.int32), out.view(torch.float32), S, nb, num_nodes, ranks_per_node,
-            BITS=bits, B=block_size, BPP=bpp, NW=nw, DECODE_BF16=decode,
-            **_opts("quantize", num_warps))
+            BITS=bits, B=block_size, BPP=bpp, G=G, REP=rep, U=U, V=_vec(grad.element_size()),
+            MODE=mode, EVEN=even, num_warps=warps, enable_fp_fusion=False)
     return out
 
 
@@ -761,13 +932,13 @@ def qgz_reduce_requantize_triton(recv, num_sources, num_pieces, shard_size, in_b
     nb = num_blocks(shard_size, block_size)
     out = torch.empty(num_pieces * piece_bytes(shard_size, block_size, out_bits),
                       dtype=torch.uint8, device=recv.device)
-    bpp, nw = _tile("reduce_requantize", block_size, tile_elems)
+    bpp, G, rep, U, warps = _tile("reduce_requantize", block_size, nb, tile_elems, num_warps)
     with _LaunchCtx(recv):
         _qgz_reduce_requantize_kernel[(triton.cdiv(nb, bpp), num_pieces)](
             recv.view(torch.int32), recv.view(torch.float32), out.view(torch.int32),
             out.view(torch.float32), num_pieces, nb, K=num_sources, IN_BITS=in_bits,
-            OUT_BITS=out_bits, B=block_size, BPP=bpp, NW=nw, EMU=_interpreting(),
-            **_opts("reduce_requantize", num_warps))
+            OUT_BITS=out_bits, B=block_size, BPP=bpp, G=G, REP=rep, U=U, EVEN=(nb % bpp == 0),
+            EMU=_interpreting(), num_warps=warps, enable_fp_fusion=False)
     return out
 
 
@@ -780,14 +951,15 @@ def qgz_dequantize_reduce_triton(recv, num_sources, shard_size, bits, block_size
     recv = _aligned_u8(recv)
     nb = num_blocks(shard_size, block_size)
     out = torch.empty(shard_size, dtype=dtype, device=recv.device)
-    bpp, nw = _tile("dequantize_reduce", block_size, tile_elems)
+    bpp, G, rep, U, warps = _tile("dequantize_reduce", block_size, nb, tile_elems, num_warps)
     encode = _interpreting() and dtype == torch.bfloat16
     with _LaunchCtx(recv):
         _qgz_dequantize_reduce_kernel[(triton.cdiv(nb, bpp),)](
             recv.view(torch.int32), recv.view(torch.float32),
             out.view(torch.int16) if encode else out, shard_size, nb, float(scale),
-            K=num_sources, BITS=bits, B=block_size, BPP=bpp, NW=nw, ENCODE_BF16=encode,
-            EMU=_interpreting(), **_opts("dequantize_reduce", num_warps))
+            K=num_sources, BITS=bits, B=block_size, BPP=bpp, G=G, REP=rep, U=U,
+            V=_vec(out.element_size()), EVEN=(shard_size % (bpp * block_size) == 0),
+            ENCODE_BF16=encode, EMU=_interpreting(), num_warps=warps, enable_fp_fusion=False)
     return out
 
 

@@ -21,8 +21,9 @@ def test_hpz_two_nodes_matches_unsharded_reference(mode):
     run_ranks(train_sharded, 4, mode, TWO_NODES)
 
 
-def test_hpz_full_local_copy_matches_unsharded_reference():
-    run_ranks(train_sharded, 2, "inductor", {"hpz_partition_size": 1})
+@pytest.mark.parametrize("ranks_per_node", [1, 2])
+def test_hpz_full_local_copy_matches_unsharded_reference(ranks_per_node):
+    run_ranks(train_sharded, 2, "inductor", {"hpz_partition_size": 1, "ranks_per_node": ranks_per_node})
 
 
 def gathers_by_graph(rank: int, world_size: int, options: dict) -> dict:
