@@ -3,12 +3,21 @@
 TRITON_INTERPRET is read when a kernel is defined, so it is set here, before any test module
 imports zpp_compile.
 """
+import importlib.util
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Triton is a dependency on Linux, and its interpreter needs numpy: if either is missing the
+# kernel tests would quietly skip, so stop here instead.
+if sys.platform == "linux":
+    missing = [name for name in ("triton", "numpy") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"the tests need {missing}: pip install -e '.[test]'")
 
 # Each test rank compiles in its own process; a pool of compile workers per rank would only
 # compete for the same cores.

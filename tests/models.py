@@ -44,6 +44,18 @@ class TinyTransformer(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class GraphBreakTransformer(TinyTransformer):
+    """The same model with a graph break between blocks: Dynamo hands it over as several graphs."""
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+            torch._dynamo.graph_break()
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def batches(steps: int, world_size: int, per_rank: int = 2, vocab: int = 37, seq: int = 9) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Global batches (all ranks' samples, rank-major) for `steps` steps, fixed by a seed."""
     g = torch.Generator().manual_seed(1234)

@@ -15,15 +15,15 @@ TWO_NODES = {"ranks_per_node": 2, "hpz_partition_size": 2}
 
 
 @needs_4_ranks
-@pytest.mark.parametrize("mode", ["aot", "inductor"])
-def test_hpz_two_nodes_matches_unsharded_reference(mode):
+def test_hpz_two_nodes_matches_unsharded_reference():
     # 3 SGD steps: each forward after an optimizer step must build a fresh secondary copy.
-    run_ranks(train_sharded, 4, mode, TWO_NODES)
+    # (Inductor with hpZ: test_hpz_eval_and_gradient_accumulation.)
+    run_ranks(train_sharded, 4, "aot", TWO_NODES)
 
 
 @pytest.mark.parametrize("ranks_per_node", [1, 2])
 def test_hpz_full_local_copy_matches_unsharded_reference(ranks_per_node):
-    run_ranks(train_sharded, 2, "inductor", {"hpz_partition_size": 1, "ranks_per_node": ranks_per_node})
+    run_ranks(train_sharded, 2, "aot", {"hpz_partition_size": 1, "ranks_per_node": ranks_per_node})
 
 
 def gathers_by_graph(rank: int, world_size: int, options: dict) -> dict:
@@ -68,7 +68,7 @@ def test_hpz_saves_no_gathered_weight():
 
 @needs_4_ranks
 def test_hpz_with_qwz_stays_near_reference():
-    errors = run_ranks(qwz_runs, 4, 2, {"hpz_partition_size": 2})[0]
+    errors = run_ranks(qwz_runs, 4, 2, {"hpz_partition_size": 2}, ("aot",))[0]
     assert max(errors.values()) < 5e-2, errors
 
 

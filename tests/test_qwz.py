@@ -35,7 +35,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def qwz_runs(rank: int, world_size: int, ranks_per_node: int, options: dict | None = None) -> dict:
+def qwz_runs(
+    rank: int, world_size: int, ranks_per_node: int, options: dict | None = None, modes: tuple = ("aot", "inductor")
+) -> dict:
     config = zpp.Config(quantized_weights=True, weight_block_size=BLOCK, ranks_per_node=ranks_per_node, **(options or {}))
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     data = batches(STEPS, world_size, PER_RANK)
@@ -49,7 +51,7 @@ def qwz_runs(rank: int, world_size: int, ranks_per_node: int, options: dict | No
     expected_loss = quantized(tokens.to(device()), targets.to(device())).item()
 
     finals = {}
-    for mode in ("aot", "inductor"):
+    for mode in modes:
         torch.manual_seed(0)
         model = zpp.shard(TinyTransformer().to(device()), config)
         compiled = torch.compile(model, backend="zeropp", options={"inductor": mode == "inductor"})
@@ -60,14 +62,15 @@ def qwz_runs(rank: int, world_size: int, ranks_per_node: int, options: dict | No
         finals[mode] = zpp.full_state_dict(model)
 
     # 2. Inductor and the op-by-op debug mode run the same rewritten graphs.
-    for key, value in finals["aot"].items():
-        assert relative_error(finals["inductor"][key], value) < 1e-5, key
+    if len(finals) == 2:
+        for key, value in finals["aot"].items():
+            assert relative_error(finals["inductor"][key], value) < 1e-5, key
 
     # 3. How far quantization moves training: the relative error of each parameter's update.
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     train(reference, data)
     return {
-        key: relative_error(finals["inductor"][key] - initial[key], value - initial[key])
+        key: relative_error(finals[modes[-1]][key] - initial[key], value - initial[key])
         for key, value in reference.state_dict().items()
         if key != "pos"  # frozen: no update
     }
@@ -82,7 +85,7 @@ def test_qwz_world2():
 
 @needs_4_ranks
 def test_qwz_world4_two_nodes():
-    errors = run_ranks(qwz_runs, 4, 2)[0]
+    errors = run_ranks(qwz_runs, 4, 2, None, ("aot",))[0]
     print("largest relative update error:", max(errors.items(), key=lambda kv: kv[1]))
     assert max(errors.values()) < 5e-2, errors
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import zpp_compile as zpp
 from distributed import BACKEND, device, run_ranks
-from models import TinyTransformer, batches
+from models import GraphBreakTransformer, TinyTransformer, batches
 
 STEPS, PER_RANK = 3, 2
 
@@ -38,9 +38,9 @@ def reference(world_size: int) -> tuple[nn.Module, list[tuple[float, float]]]:
     return model, train(model, batches(STEPS, world_size, PER_RANK))
 
 
-def train_sharded(rank: int, world_size: int, mode: str, options: dict) -> dict:
+def train_sharded(rank: int, world_size: int, mode: str, options: dict, model_class: type = TinyTransformer) -> dict:
     torch.manual_seed(0)
-    model = TinyTransformer().to(device())
+    model = model_class().to(device())
     frozen_before = model.pos.detach().clone()
     zpp.shard(model, zpp.Config(**options))
     step_fn = None
@@ -84,6 +84,17 @@ needs_4_ranks = pytest.mark.skipif(
 @pytest.mark.parametrize("mode", ["eager", "inductor"])
 def test_world4_two_nodes_matches_unsharded_reference(mode):
     run_ranks(train_sharded, 4, mode, {"ranks_per_node": 2})
+
+
+def graph_break_run(rank: int, world_size: int) -> int:
+    """Trains the graph-broken model against the reference; returns how many training graphs
+    (graphs with a backward) this rank compiled."""
+    train_sharded(rank, world_size, "aot", {}, GraphBreakTransformer)
+    return len({g.graph_name.split(".")[0] for g in zpp.REGISTRY.ledger if g.kind == "backward"})
+
+
+def test_graph_breaks_several_graphs_per_step():
+    assert all(graphs >= 3 for graphs in run_ranks(graph_break_run, 2))
 
 
 def saved_tensor_shapes(rank: int, world_size: int, options: dict) -> list[tuple]:
