@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .ledger import GraphComm
 from .topology import Topology
 
 
@@ -34,7 +35,7 @@ class Registry:
     models: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     params: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # shard -> state
     gathering_classes: dict[tuple[type, frozenset[str]], type] = field(default_factory=dict)
-    ledger: list = field(default_factory=list)  # zpp_compile.ledger.GraphComm, in compile order
+    ledger: list[GraphComm] = field(default_factory=list)  # in compile order
     graph_ids: itertools.count = field(default_factory=itertools.count)
 
     def add_state(self, state: ShardingState) -> int:

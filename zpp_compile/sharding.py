@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .config import Config
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.registry import REGISTRY, ShardingState
-from .runtime.topology import build_topology, launcher_ranks_per_node
+from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -104,15 +105,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def sharding_state(model: nn.Module) -> ShardingState:
-    if model not in REGISTRY.models:
-        raise ValueError("this model is not sharded; call zpp_compile.shard(model, config) first")
-    return REGISTRY.models[model]
-
-
-def _topology(config: Config):
-    import torch.distributed as dist
-
+def _topology(config: Config) -> Topology:
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized: launch with torchrun and call "
