@@ -3,6 +3,8 @@
     python examples/bench_kernels.py                       # GPU, full sizes (< 60 s on an H200)
     python examples/bench_kernels.py --json results.json   # also write the results
     python examples/bench_kernels.py --quick               # CPU smoke test (TRITON_INTERPRET=1)
+    python examples/bench_kernels.py --sweep               # tile / warp sweep at the default
+                                                           # block (instead of the table)
 
 Bandwidth = (bytes read + bytes written) / median time, the same accounting as the copy
 baseline, so "% copy" says how close a kernel gets to the memory system's limit. Each case
@@ -152,6 +154,41 @@ def weight_quant_accuracy(args, device: torch.device) -> list[dict]:
 
 SECTIONS: list[Callable] = [weight_quant_cases]  # add further kernel sections here
 
+# (elements per program, warps) tried by --sweep; a thread holds elems / (32 * warps) elements
+SWEEP = ((4096, 2), (4096, 4), (8192, 4), (8192, 8), (16384, 4), (16384, 8), (32768, 8))
+
+
+def weight_quant_sweep(args, device: torch.device, copy: dict) -> list[dict]:
+    """Every SWEEP config for quantize and dequantize at the default block, inputs shared."""
+    B, n, R = args.default_block, args.numel, args.chunks
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        esize = torch.empty((), dtype=dtype).element_size()
+        packed_bytes = wq.packed_weight_bytes(n, B)
+        sets = rotation_sets(n * esize + packed_bytes, device)
+        xs = [torch.randn(n, device=device, dtype=dtype) for _ in range(sets)]
+        shard = -(-n // R)
+        packs = [torch.cat([wq.quantize_weight_triton(c, B) for c in x.split(shard)]) for x in xs]
+        qbytes = n * esize + packed_bytes
+        dbytes = R * wq.packed_weight_bytes(shard, B) + R * shard * esize
+        for ept, warps in (SWEEP[:2] if args.quick else SWEEP):
+            tile = {"elems_per_program": ept, "num_warps": warps}
+            tq = time_median(lambda i: wq.quantize_weight_triton(xs[i], B, **tile), sets, device, args.reps, args.iters)
+            td = time_median(lambda i: wq.dequantize_weight_triton(packs[i], shard, B, dtype, **tile), sets, device,
+                             args.reps, args.iters)
+            for name, nbytes, t in (("qwz.quantize", qbytes, tq), ("qwz.dequantize", dbytes, td)):
+                gbps = nbytes / t / 1e9
+                rows.append({"name": name, "dtype": dtype_name, "block": B, "elems_per_program": ept,
+                             "num_warps": warps, "time_us": t * 1e6, "gbps": gbps,
+                             "pct_copy": 100 * gbps / copy["gbps"]})
+                print(f"{name:<16} {dtype_name:<5} {ept:>7} {warps:>5} {t * 1e6:>10.1f} {gbps:>9.1f} "
+                      f"{rows[-1]['pct_copy']:>6.1f}%")
+        del xs, packs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
 
 # ---------------------------------------------------------------------------------------------
 # main
@@ -181,6 +218,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--iters", type=int, default=10, help="launches per timed rep")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the SWEEP tile / warp configs at the default block, print the best")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     args = p.parse_args(argv)
     if args.default_block not in args.block_sizes:
@@ -201,6 +240,25 @@ def main(argv=None) -> dict:
     print(f"device: {name}   torch {torch.__version__}   triton {triton.__version__}")
     copy = copy_bandwidth(args.copy_mb << 20, device, args.reps, args.iters)
     print(f"copy: {args.copy_mb} MiB, {copy['time_us']:.1f} us, {copy['gbps']:.1f} GB/s (read + write)\n")
+
+    if args.sweep:
+        print(f"{'case':<16} {'dtype':<5} {'elems':>7} {'warps':>5} {'us':>10} {'GB/s':>9} {'% copy':>7}")
+        rows = weight_quant_sweep(args, device, copy)
+        print(f"\nbest per kernel (block {args.default_block}; default {wq.ELEMS_PER_THREAD} elements per thread, "
+              f"4 warps = 8192 per program):")
+        for kname in ("qwz.quantize", "qwz.dequantize"):
+            for dt in args.dtypes:
+                mine = [r for r in rows if r["name"] == kname and r["dtype"] == dt]
+                b = max(mine, key=lambda r: r["pct_copy"])
+                d = [r for r in mine if (r["elems_per_program"], r["num_warps"]) == (8192, 4)]
+                dd = f"   default {d[0]['pct_copy']:5.1f}%" if d else ""
+                print(f"  {kname:<16} {dt:<5}: {b['pct_copy']:5.1f}% at elems {b['elems_per_program']} warps "
+                      f"{b['num_warps']}{dd}")
+        result = {"device": name, "copy": copy, "sweep": rows}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return result
 
     print(f"{'case':<16} {'dtype':<5} {'block':>6} {'MiB r+w':>9} {'us':>10} {'GB/s':>9} {'% copy':>7}")
     cases = [c for section in SECTIONS for c in section(args, device)]

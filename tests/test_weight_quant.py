@@ -99,6 +99,28 @@ def test_triton_matches_twin(dtype, B, n):
         )
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B", [64, 256])
+def test_triton_matches_twin_whole_tiles(dtype, B):
+    """n a multiple of the program tile: the kernels' unmasked path (the one that runs at full
+    size), with a non-finite block and a zero block in one tile and clean tiles elsewhere."""
+    ept = 1024  # elements per program
+    n = 4 * ept
+    x = weights(n, dtype, seed=B)
+    x[B + 3], x[B + 9], x[2 * B - 1] = float("nan"), float("inf"), float("-inf")
+    x[2 * B : 3 * B] = 0
+    x[3 * ept + 5] = float("-inf")  # a -inf-only block in the last tile
+    ref = wq.quantize_weight_reference(x, B)
+    assert torch.equal(ref, on_kernel_device(wq.quantize_weight_triton, x, B, elems_per_program=ept))
+    packed = torch.cat([ref, wq.quantize_weight_reference(weights(n, dtype, seed=3), B)])
+    for out_dtype in {dtype, torch.float32}:
+        assert_same_values(
+            wq.dequantize_weight_reference(packed, n, B, out_dtype),
+            on_kernel_device(wq.dequantize_weight_triton, packed, n, B, out_dtype, elems_per_program=ept),
+        )
+
+
 @pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B", [32, 128, 1024])
