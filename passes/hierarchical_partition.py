@@ -9,6 +9,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..runtime.ops import gather_secondary, quantize_and_gather, secondary_slice
 from .base import PassContext
 from .fx_util import backward_nodes, insert_traced, nodes_calling, replace_with_traced, weight_chain
+from .quantize_weights import weight_block_size
 
 
 def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
@@ -35,7 +36,7 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         first_backward_use = min(backward_users, key=order.__getitem__)
         shard, shard_size, group_size, group_name, dtype, *_ = gather.args
-        block = config.weight_block_size if config.quantized_weights and shard_size >= config.weight_block_size else 0
+        block = weight_block_size(config, shard_size)
 
         # Forward: the gathered buffer the copy is cut from (packed bytes with qwZ).
         if block:

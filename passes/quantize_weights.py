@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
 from ..runtime.ops import gather_param_quantized
 from .base import PassContext
 from .fx_util import nodes_calling, replace_with_traced
+
+
+def weight_block_size(config: Any, shard_size: int) -> int:
+    """The qwZ block size for a shard of `shard_size` elements; 0 means gather it unquantized
+    (qwZ off, or a shard smaller than one block, which quantizing would not make smaller)."""
+    block = config.weight_block_size
+    return block if config.quantized_weights and shard_size >= block else 0
 
 
 def quantize_weights(graph: fx.Graph, ctx: PassContext) -> None:
@@ -20,10 +29,9 @@ def quantize_weights(graph: fx.Graph, ctx: PassContext) -> None:
     backward gather also moves half the bytes. A shard smaller than one block is gathered in
     full precision: quantizing it would not make it smaller.
     """
-    block_size = ctx.config.weight_block_size
     for node in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
         shard, shard_size, group_size, group_name, dtype, *_ = node.args
-        if shard_size >= block_size:
+        if block_size := weight_block_size(ctx.config, shard_size):
             replace_with_traced(
                 graph, node, gather_param_quantized, shard, shard_size, group_size, group_name, dtype, block_size
             )
