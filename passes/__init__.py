@@ -4,7 +4,7 @@ Each entry can be switched off by name (Config.disable_passes, or `zeropp --disa
 `zeropp passes` lists them with their one-line summaries.
 """
 
-from .base import STAGES, GraphPass, PassContext
+from .base import GraphPass, PassContext
 from .hierarchical_partition import hierarchical_partition
 from .lower_collectives import lower_collectives
 from .quantize_gradients import quantize_gradients
@@ -23,4 +23,4 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("lower_collectives", "lowering", lower_collectives),
 )
 
-__all__ = ["PASSES", "STAGES", "GraphPass", "PassContext"]
+__all__ = ["PASSES", "GraphPass", "PassContext"]

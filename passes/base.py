@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-STAGES = ("joint", "lowering")
 
 
 @dataclass(frozen=True)
