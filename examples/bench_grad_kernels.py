@@ -11,7 +11,8 @@ emulated topology of N nodes x R ranks (W = N R, shard S = gradient / W elements
 default block size; each kernel in the shape it has in the pipeline:
 
     quantize            reads the gradient (W S elements), writes W packed pieces
-    reduce_requantize   reads R sources x N pieces, writes N pieces (same bits in and out)
+    reduce_requantize   reads R sources x N pieces, writes N pieces (bits in > out: 4>4, 8>8,
+                        8>4)
     dequantize_reduce   reads N pieces, writes S elements in the gradient's dtype
 
 Effective bandwidth = (bytes read + bytes written) / time, against a device-to-device copy
@@ -101,6 +102,11 @@ def nasty(n: int, dtype, dev, seed: int) -> torch.Tensor:
     return x.to(dtype).to(dev)
 
 
+def out_bits_of(bits: int) -> tuple:
+    """Requantization widths measured for an input width: INT8 sources go to INT8 or INT4."""
+    return (4,) if bits == 4 else (8, 4)
+
+
 def check_exact(dev, dtype, bits, B, N, R, S=20011) -> bool:
     """Triton == twin, bit for bit, for the three kernels on an odd-sized nasty input (several
     tiles per piece, some with inf / NaN / tiny scales, some without)."""
@@ -109,9 +115,10 @@ def check_exact(dev, dtype, bits, B, N, R, S=20011) -> bool:
     g = nasty(W * S, dtype, dev, seed=bits)
     a = gq.qgz_quantize_triton(g, N, R, bits, B)
     ok &= torch.equal(a, gq.qgz_quantize_ref(g, N, R, bits, B))
-    red_t = gq.qgz_reduce_requantize_triton(a, R, N, S, bits, bits, B)
-    red_r = gq.qgz_reduce_requantize_ref(a, R, N, S, bits, bits, B)
-    ok &= torch.equal(red_t, red_r)
+    for out_bits in out_bits_of(bits):
+        red_t = gq.qgz_reduce_requantize_triton(a, R, N, S, bits, out_bits, B)
+        red_r = gq.qgz_reduce_requantize_ref(a, R, N, S, bits, out_bits, B)
+        ok &= torch.equal(red_t, red_r)
     recv = a[: N * gq.piece_bytes(S, B, bits)]
     d_t = gq.qgz_dequantize_reduce_triton(recv, N, S, bits, B, dtype, 1.0 / W)
     d_r = gq.qgz_dequantize_reduce_ref(recv, N, S, bits, B, dtype, 1.0 / W)
@@ -155,21 +162,21 @@ def bench_kernels(args, dev, cuda, copy_bw, l2, tile=None, warps=None, only=None
                 calls = [lambda g=g: gq.qgz_quantize_triton(g, N, R, bits, B, **kw)
                          for g in grads]
                 t = time_calls(calls, args.iters, args.reps, cuda)
-                rows.append(("quantize", dtype, bits, nbytes, t))
+                rows.append(("quantize", dtype, (bits, bits), nbytes, t))
                 packed = gq.qgz_quantize_triton(grads[0], N, R, bits, B)
                 del grads, calls
             else:
                 packed = gq.qgz_quantize_triton(torch.randn(W * S, device=dev, dtype=dtype),
                                                 N, R, bits, B)
             # reduce_requantize: R sources x N pieces (a whole quantized gradient) -> N pieces
-            if only in (None, "reduce_requantize"):
-                nbytes = W * pb + N * pb
+            for out_bits in (out_bits_of(bits) if only in (None, "reduce_requantize") else ()):
+                nbytes = W * pb + N * gq.piece_bytes(S, B, out_bits)
                 k = n_sets(nbytes, l2)
                 recvs = [packed.clone() for _ in range(k)]
-                calls = [lambda r=r: gq.qgz_reduce_requantize_triton(r, R, N, S, bits, bits, B,
+                calls = [lambda r=r: gq.qgz_reduce_requantize_triton(r, R, N, S, bits, out_bits, B,
                                                                      **kw) for r in recvs]
                 t = time_calls(calls, args.iters, args.reps, cuda)
-                rows.append(("reduce_requantize", dtype, bits, nbytes, t))
+                rows.append(("reduce_requantize", dtype, (bits, out_bits), nbytes, t))
                 del recvs, calls
             # dequantize_reduce: N pieces -> S elements
             if only in (None, "dequantize_reduce"):
@@ -180,15 +187,15 @@ def bench_kernels(args, dev, cuda, copy_bw, l2, tile=None, warps=None, only=None
                                                                      1.0 / W, **kw)
                          for r in recvs]
                 t = time_calls(calls, args.iters, args.reps, cuda)
-                rows.append(("dequantize_reduce", dtype, bits, nbytes, t))
+                rows.append(("dequantize_reduce", dtype, (bits, bits), nbytes, t))
                 del recvs, calls
             del packed
             if cuda:
                 torch.cuda.empty_cache()
     out = []
-    for name, dtype, bits, nbytes, t in rows:
+    for name, dtype, (bits, out_bits), nbytes, t in rows:
         bw = nbytes / t
-        out.append(dict(kernel=name, dtype=DNAME[dtype], bits=bits, block_size=B,
+        out.append(dict(kernel=name, dtype=DNAME[dtype], bits=bits, out_bits=out_bits, block_size=B,
                         nodes=N, ranks_per_node=R, bytes=nbytes, time_us=t * 1e6,
                         TBps=bw / 1e12, pct_copy=100 * bw / copy_bw,
                         tile_elems=tile, num_warps=warps))
@@ -242,7 +249,8 @@ def main(argv=None):
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['kernel']:<18} {r['dtype']:<5} {r['bits']:>4} {r['bytes'] / 2**20:>8.1f} "
+        bits = str(r["bits"]) if r["out_bits"] == r["bits"] else f"{r['bits']}>{r['out_bits']}"
+        print(f"{r['kernel']:<18} {r['dtype']:<5} {bits:>4} {r['bytes'] / 2**20:>8.1f} "
               f"{r['time_us']:>9.1f} {r['TBps']:>7.3f} {r['pct_copy']:>6.1f}% "
               f"{'-' if r['bit_exact'] is None else ('yes' if r['bit_exact'] else 'NO')}")
 
@@ -254,7 +262,7 @@ def main(argv=None):
                 for warps in (4, 8):
                     res = bench_kernels(args, dev, cuda, copy_bw, l2, tile, warps, only=kernel)
                     sweep += res
-                    cells = " ".join(f"{r['dtype']}/{r['bits']}:{r['pct_copy']:5.1f}"
+                    cells = " ".join(f"{r['dtype']}/{r['bits']}>{r['out_bits']}:{r['pct_copy']:5.1f}"
                                      for r in res)
                     print(f"  {kernel:<18} tile {tile:>5} warps {warps}: {cells}")
 
@@ -265,7 +273,9 @@ def main(argv=None):
             json.dump(dict(device=device, torch=torch.__version__, size_mb=args.size_mb,
                            nodes=args.nodes, ranks_per_node=args.ranks,
                            block_size=args.block_size, copy_TBps=copy_bw / 1e12,
-                           tuning=gq.TUNING, rows=rows, sweep=sweep, wall_s=wall), f, indent=1)
+                           tuning={k: {str(key): v for key, v in t.items()}
+                                   for k, t in gq.TUNING.items()},
+                           rows=rows, sweep=sweep, wall_s=wall), f, indent=1)
     ok = all(v for v in exact.values())
     return 0 if ok else 1
 

@@ -244,13 +244,14 @@ def main(argv=None) -> dict:
     if args.sweep:
         print(f"{'case':<16} {'dtype':<5} {'elems':>7} {'warps':>5} {'us':>10} {'GB/s':>9} {'% copy':>7}")
         rows = weight_quant_sweep(args, device, copy)
-        print(f"\nbest per kernel (block {args.default_block}; default {wq.ELEMS_PER_THREAD} elements per thread, "
-              f"4 warps = 8192 per program):")
+        print(f"\nbest per kernel (block {args.default_block}; default 4 warps x elements per thread "
+              f"{wq.ELEMS_PER_THREAD}):")
         for kname in ("qwz.quantize", "qwz.dequantize"):
+            default = 4 * 32 * wq.ELEMS_PER_THREAD[kname.split(".")[1]]
             for dt in args.dtypes:
                 mine = [r for r in rows if r["name"] == kname and r["dtype"] == dt]
                 b = max(mine, key=lambda r: r["pct_copy"])
-                d = [r for r in mine if (r["elems_per_program"], r["num_warps"]) == (8192, 4)]
+                d = [r for r in mine if (r["elems_per_program"], r["num_warps"]) == (default, 4)]
                 dd = f"   default {d[0]['pct_copy']:5.1f}%" if d else ""
                 print(f"  {kname:<16} {dt:<5}: {b['pct_copy']:5.1f}% at elems {b['elems_per_program']} warps "
                       f"{b['num_warps']}{dd}")

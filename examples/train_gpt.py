@@ -11,96 +11,14 @@ collectives the flags ask for. Prints loss, tokens/s and the bytes each rank rec
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
-import sysconfig
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 import zpp_compile as zpp
-
-
-# ----------------------------------------------------------------------------- model
-
-
-@dataclass
-class GPTConfig:
-    vocab: int = 256  # bytes
-    seq: int = 256
-    dim: int = 256
-    heads: int = 4
-    layers: int = 4
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.heads = cfg.heads
-        self.ln1, self.ln2 = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
-        self.qkv, self.proj = nn.Linear(cfg.dim, 3 * cfg.dim), nn.Linear(cfg.dim, cfg.dim)
-        self.fc, self.out = nn.Linear(cfg.dim, 4 * cfg.dim), nn.Linear(4 * cfg.dim, cfg.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.embed, self.pos = nn.Embedding(cfg.vocab, cfg.dim), nn.Embedding(cfg.seq, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
-        self.head.weight = self.embed.weight  # tied input and output embeddings
-        for name, p in self.named_parameters():
-            if p.dim() == 2:  # GPT-2 init; residual projections scaled by depth
-                std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def stdlib_bytes(limit: int) -> torch.Tensor:
-    """The standard library's .py files, concatenated in a fixed order, as a byte tensor."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
-
-
-def batch(data: torch.Tensor, step: int, rank: int, world: int, per_rank: int, seq: int, seed: int):
-    """Rank `rank`'s sequences for `step`: a seeded draw shared by all ranks, sliced per rank."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - seq - 1, (world * per_rank,), generator=g)[rank * per_rank:(rank + 1) * per_rank]
-    x = torch.stack([data[s:s + seq] for s in starts.tolist()])
-    y = torch.stack([data[s + 1:s + seq + 1] for s in starts.tolist()])
-    return x, y
+from gpt import GPT, GPTConfig, batch, init_distributed, stdlib_bytes  # examples/gpt.py
 
 
 # ----------------------------------------------------------------------------- training
@@ -128,16 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():  # torchrun sets RANK etc.; a plain `python` run is one rank
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=int(os.environ.get("RANK", 0)),
-                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    device = init_distributed()
+    use_cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda") if use_cuda else torch.device("cpu")
 
     overrides = {"quantized_weights": args.qwz, "hpz_partition_size": args.hpz, "quantized_gradients": args.qgz,
                  "ranks_per_node": args.ranks_per_node, "param_dtype": "bf16" if use_cuda else None}

@@ -5,13 +5,17 @@ Each entry can be switched off by name (Config.disable_passes, or `zeropp --disa
 """
 
 from .base import GraphPass, PassContext
+from .bucket_collectives import bucket_collectives
 from .hierarchical_partition import hierarchical_partition
 from .lower_collectives import lower_collectives
 from .quantize_gradients import quantize_gradients
 from .quantize_weights import quantize_weights
 from .reshard_after_forward import reshard_after_forward
+from .schedule_overlap import schedule_overlap
 
 PASSES: tuple[GraphPass, ...] = (
+    GraphPass("bucket_collectives", "joint", bucket_collectives,
+              wanted=lambda config: config.bucket_size > 0),
     GraphPass("reshard_after_forward", "joint", reshard_after_forward,
               wanted=lambda config: config.reshard_after_forward),
     GraphPass("hierarchical_partition", "joint", hierarchical_partition,
@@ -21,6 +25,7 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("quantize_gradients", "lowering", quantize_gradients,
               wanted=lambda config: config.quantized_gradients),
     GraphPass("lower_collectives", "lowering", lower_collectives),
+    GraphPass("schedule_overlap", "lowering", schedule_overlap),
 )
 
 __all__ = ["PASSES", "GraphPass", "PassContext"]

@@ -75,3 +75,45 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
         ):
             found.add(node)
     return found
+
+
+def hoist(nodes: list[fx.Node], anchor: fx.Node) -> None:
+    """Moves each of `nodes` that comes after `anchor`, with whatever it is computed from that
+    also comes after it, to just before `anchor` (keeping their order). Only for nodes free of
+    side effects whose inputs can move (views of graph inputs, casts)."""
+    earlier: set[fx.Node] = set()
+    for node in anchor.graph.nodes:
+        if node is anchor:
+            break
+        earlier.add(node)
+
+    def move(node: fx.Node) -> None:
+        if node in earlier:
+            return
+        for arg in node.all_input_nodes:
+            move(arg)
+        anchor.prepend(node)
+        earlier.add(node)
+
+    for node in nodes:
+        move(node)
+
+
+def sink_users(nodes: list[fx.Node], anchor: fx.Node) -> None:
+    """Moves every node that comes before `anchor` and is computed from one of `nodes` (directly
+    or not) to just after it, keeping their order: the mirror of `hoist`."""
+    later: set[fx.Node] = set()
+    for node in reversed(anchor.graph.nodes):
+        if node is anchor:
+            break
+        later.add(node)
+    found = set(nodes)
+    moving = []
+    for node in anchor.graph.nodes:
+        if node is anchor:
+            break
+        if any(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+            moving.append(node)
+    for node in reversed(moving):
+        anchor.append(node)

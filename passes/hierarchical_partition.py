@@ -36,7 +36,7 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         first_backward_use = min(backward_users, key=order.__getitem__)
         shard, shard_size, group_size, group_name, dtype, *_ = gather.args
-        block = weight_block_size(config, shard_size)
+        block = weight_block_size(config, gather)
 
         # Forward: the gathered buffer the copy is cut from (packed bytes with qwZ).
         if block:

@@ -7,6 +7,7 @@ import torch.fx as fx
 
 from ..runtime.ops import reduce_grad_quantized
 from .base import PassContext
+from .bucket_collectives import FULL_PRECISION
 from .fx_util import nodes_calling, replace_with_traced
 
 
@@ -18,13 +19,13 @@ def quantize_gradients(graph: fx.Graph, ctx: PassContext) -> None:
 
     Slices are reordered inside the quantize kernel so each rank ends with exactly its ZeRO shard.
     The intra-node hop uses `intra_node_gradient_bits`, the inter-node hop `gradient_bits` (4
-    by default, the paper's INT4). A shard smaller than one block is reduced in full precision:
-    its scales alone would outweigh the saving.
+    by default, the paper's INT4). A shard smaller than one block, or a bucket of such shards, is
+    reduced in full precision: its scales alone would outweigh the saving.
     """
     config, topology = ctx.config, ctx.topology
     for node in nodes_calling(graph, torch.ops.zpp.reduce_grad.default):
         grad, shard_numel, group_size, _, dtype = node.args
-        if grad.meta["val"].numel() // group_size < config.gradient_block_size:
+        if grad.meta["val"].numel() // group_size < config.gradient_block_size or node.meta.get(FULL_PRECISION):
             continue
         replace_with_traced(
             graph, node, reduce_grad_quantized, grad, shard_numel, dtype, topology.num_nodes,

@@ -9,14 +9,16 @@ import torch.fx as fx
 
 from ..runtime.ops import gather_param_quantized
 from .base import PassContext
+from .bucket_collectives import FULL_PRECISION
 from .fx_util import nodes_calling, replace_with_traced
 
 
-def weight_block_size(config: Any, shard_size: int) -> int:
-    """The qwZ block size for a shard of `shard_size` elements; 0 means gather it unquantized
-    (qwZ off, or a shard smaller than one block, which quantizing would not make smaller)."""
-    block = config.weight_block_size
-    return block if config.quantized_weights and shard_size >= block else 0
+def weight_block_size(config: Any, gather: fx.Node) -> int:
+    """The qwZ block size for a parameter gather; 0 means gather it unquantized (qwZ off, a shard
+    smaller than one block, which quantizing would not make smaller, or a bucket of such shards)."""
+    block, shard_size = config.weight_block_size, gather.args[1]
+    wanted = config.quantized_weights and shard_size >= block and not gather.meta.get(FULL_PRECISION)
+    return block if wanted else 0
 
 
 def quantize_weights(graph: fx.Graph, ctx: PassContext) -> None:
@@ -31,7 +33,7 @@ def quantize_weights(graph: fx.Graph, ctx: PassContext) -> None:
     """
     for node in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
         shard, shard_size, group_size, group_name, dtype, *_ = node.args
-        if block_size := weight_block_size(ctx.config, shard_size):
+        if block_size := weight_block_size(ctx.config, node):
             replace_with_traced(
                 graph, node, gather_param_quantized, shard, shard_size, group_size, group_name, dtype, block_size
             )

@@ -62,18 +62,26 @@ in the twin and bf16 is decoded / encoded with bit operations. The GPU path is c
 the twins by ``examples/bench_grad_kernels.py`` (column "exact").
 
 Kernel design (memory bound; target >= 85% of copy bandwidth at >= 256 MB): one program owns
-a 2-D tile of ``BPP`` whole blocks (``TUNING``: 4K-16K elements) of one piece, loaded with
-16-byte vector accesses. The tile lives in registers as 8 "lanes" (lane k = elements 8i + k),
-so one int32 word of INT4 codes (or two of INT8) is one column of the lanes: packing and
-unpacking are shifts and masks of whole words, with no conversion instructions (the conversion
-unit runs at 1/8 of the FP32 rate on Hopper). Block absmax: elementwise max over the lanes, then
-one row reduction. The reduction kernels loop over the sources inside the program (each source
-read once; accumulators in registers). The rare paths (non-finite values, scales below 2**-100)
-are tile-uniform branches. The slice reordering of ``qgz_quantize`` is only the address each
-program reads: no transpose copy. Budget check (sm_90 SASS, not yet timed): the instruction
-issue rate, not DRAM, is the risk for INT4 -> INT4 ``qgz_reduce_requantize`` (about 26
-instructions per output element with 4 sources, against about 25 at 85% of an H200's copy
-bandwidth); the other kernels have margin.
+a 2-D tile of ``BPP`` whole blocks (``TUNING``, per kernel and input bits: 2K-8K elements) of
+one piece. The tile lives in registers as 8 "lanes" (lane k = elements 8i + k), so one int32
+word of INT4 codes (or two of INT8) is one column of the lanes: packing and unpacking are shifts
+and masks of whole words, with no conversion instructions (the conversion unit runs at 1/8 of
+the FP32 rate on Hopper). Block absmax: elementwise max over the lanes, then one row reduction.
+The reduction kernels sum the sources inside the program (each source read once, all loads in
+flight together; accumulators in registers), always on the fast path; a tile that holds inf
+markers, scales below 2**-100 or a sum that overflowed (rare, tile-uniform) is done again on
+the slow path, overwriting it. ``qgz_dequantize_reduce`` stores through a [block, element]
+view, so that consecutive threads write consecutive 16-byte vectors (the compiler moves the
+values through shared memory); stored from the lane layout, each warp instruction wrote
+half-sectors spread over 32 lines, and fp32 outputs ran at ~30% of copy. The slice reordering
+of ``qgz_quantize`` is only the address each program reads: no transpose copy.
+
+Measured (H200, 256 MB gradient, 2 nodes x 4 ranks, see the benchmark): ``qgz_quantize`` runs
+at copy bandwidth. ``qgz_reduce_requantize`` does not reach the target: with INT4 sources it is
+bound by the instruction issue rate (sm_90 SASS: ~20.5 instructions per output element with 4
+sources, of which 3 per code and source -- LOP3, FADD, FFMA -- are the floor of this exact
+decode-and-fma scheme, against ~24 that an H200 issues in the time of a copy), and with INT8
+sources by the bytes in flight per SM (a program waits for its loads, then computes).
 """
 from __future__ import annotations
 
@@ -360,12 +368,15 @@ if HAS_TRITON:
     # Tiles. A program owns BPP consecutive blocks of one piece. The unit of work is the "octet"
     # (8 consecutive elements: one int32 word of INT4 codes, two of INT8 codes), and a tile is
     # held as 8 "lanes" of shape [G, BPP, REP, U]: lane k of octet (g, r, j, u) is element
-    # 8 * (j*G*U + g*U + u) + k of block r. Every memory access uses a tensor whose last axis is
-    # one thread's 16-byte vector and whose other axes are [G, BPP, REP, U, ...]; Triton's
+    # 8 * (j*G*U + g*U + u) + k of block r. Memory accesses use tensors whose last axis is one
+    # thread's vector (up to 16 bytes) and whose other axes are [G, BPP, REP, U, ...]; Triton's
     # blocked layouts then all put G (then BPP) across the threads and everything else inside a
     # thread, so lanes, codes and values change shape without moving data (no shared memory),
     # and a block's absmax is an in-thread max over REP*U*8 elements plus log2(G) shuffles.
-    # INT4 packing and unpacking are shifts and masks of whole words (nibble k = lane k).
+    # INT4 packing and unpacking are shifts and masks of whole words (nibble k = lane k). U = 2
+    # (quantize, dequantize) keeps a warp's input loads within fewer lines per instruction than
+    # U = 4 (measured: bf16 quantize 84% -> 100% of copy); the exception is the output of
+    # qgz_dequantize_reduce (see _tl_dequant_tile).
 
     @triton.jit
     def _tl_nanmax(a, b):
@@ -423,15 +434,14 @@ if HAS_TRITON:
     # ---- codes -> values ----------------------------------------------------------------
 
     @triton.jit
-    def _tl_field(w, POS: tl.constexpr, WIDTH: tl.constexpr):
-        """Two's complement field of WIDTH bits at bit POS of w (POS + WIDTH <= 23) -> float32
-        code * 2**POS, exactly, in two instructions: one LOP3 keeps the field, flips its sign
-        bit (offset binary u = code + 2**(WIDTH-1)) and sets the exponent of 2**23, giving
-        2**23 + u * 2**POS; one FADD removes the bias."""
+    def _tl_field(w, e23, POS: tl.constexpr, WIDTH: tl.constexpr):
+        """Offset-binary field u = code + 2**(WIDTH-1) of WIDTH bits at bit POS of w (POS + WIDTH
+        <= 23) -> float32 code * 2**POS, exactly, in two instructions: one LOP3 keeps the field
+        and sets the exponent of 2**23 (``e23``, held in a register: LOP3 takes one immediate),
+        giving 2**23 + u * 2**POS; one FADD removes the bias."""
         MASK: tl.constexpr = ((1 << WIDTH) - 1) << POS
-        FLIP: tl.constexpr = 0x4B000000 | (1 << (WIDTH - 1 + POS))
         OFF: tl.constexpr = 8388608.0 + (1 << (WIDTH - 1 + POS))
-        return ((w & MASK) ^ FLIP).to(tl.float32, bitcast=True) - OFF
+        return ((w & MASK) | e23).to(tl.float32, bitcast=True) - OFF
 
     @triton.jit
     def _tl_acc_lane(acc, f, s, s_pos, s_inf, P: tl.constexpr, Q: tl.constexpr,
@@ -487,9 +497,10 @@ if HAS_TRITON:
                        BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
                        MASKED: tl.constexpr, FIRST: tl.constexpr, SLOW: tl.constexpr,
                        EMU: tl.constexpr):
-        """Accumulate the piece at word offset ``base`` (the tile's blocks) into the 8 lanes.
-        Per code: one LOP3 + one FADD (exact code * 2**POS) + one FFMA; per INT4 word one more
-        shift (nibbles 5..7), per INT8 word one (bytes 2, 3)."""
+        """Accumulate the piece at word offset ``base`` (the tile's blocks) into the 8 lanes; also
+        returns which blocks need the slow path (inf marker, or a scale below 2**-100). Per
+        code: one LOP3 + one FADD (exact code * 2**POS) + one FFMA; per word one XOR (sign bits
+        flipped: offset binary) and one shift (INT4 nibbles 5..7, INT8 bytes 2, 3)."""
         Q: tl.constexpr = (1 << (BITS - 1)) - 1
         OB: tl.constexpr = B // 8
         cw = tl.cast(nb, tl.int64) * (B * BITS // 32)          # code words per piece
@@ -498,36 +509,41 @@ if HAS_TRITON:
             s1 = tl.load(f32_ptr + base + cw + blk, mask=blk < nb, other=0.0)
         else:
             s1 = tl.load(f32_ptr + base + cw + blk)
+        slow = (s1 == _INF) | ((s1 > 0.0) & (s1 < _TINY))
         s = s1[None, :, None, None]
         si = s == _INF
+        e23 = _E23 | (nb >> 31)      # nb >= 0: a run-time zero keeps 2**23's bits in a register
         w, wb = _tl_code_words(w32_ptr, wt, oc, omask, BITS, G, BPP, REP, U, MASKED)
         if BITS == 4:
+            w = w ^ -2004318072                                 # 0x88888888
             h = w >> 12                                         # nibbles 5..7 at bits 8..19
             s4 = s * 0.0625
             s8 = s * 0.00390625
             s12 = s * 0.000244140625
             s16 = s * 1.52587890625e-05
-            a0 = _tl_acc_lane(a0, _tl_field(w, 0, 4), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a1 = _tl_acc_lane(a1, _tl_field(w, 4, 4), s, s4, si, 4, Q, FIRST, SLOW, EMU)
-            a2 = _tl_acc_lane(a2, _tl_field(w, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a3 = _tl_acc_lane(a3, _tl_field(w, 12, 4), s, s12, si, 12, Q, FIRST, SLOW, EMU)
-            a4 = _tl_acc_lane(a4, _tl_field(w, 16, 4), s, s16, si, 16, Q, FIRST, SLOW, EMU)
-            a5 = _tl_acc_lane(a5, _tl_field(h, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a6 = _tl_acc_lane(a6, _tl_field(h, 12, 4), s, s12, si, 12, Q, FIRST, SLOW, EMU)
-            a7 = _tl_acc_lane(a7, _tl_field(h, 16, 4), s, s16, si, 16, Q, FIRST, SLOW, EMU)
+            a0 = _tl_acc_lane(a0, _tl_field(w, e23, 0, 4), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a1 = _tl_acc_lane(a1, _tl_field(w, e23, 4, 4), s, s4, si, 4, Q, FIRST, SLOW, EMU)
+            a2 = _tl_acc_lane(a2, _tl_field(w, e23, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a3 = _tl_acc_lane(a3, _tl_field(w, e23, 12, 4), s, s12, si, 12, Q, FIRST, SLOW, EMU)
+            a4 = _tl_acc_lane(a4, _tl_field(w, e23, 16, 4), s, s16, si, 16, Q, FIRST, SLOW, EMU)
+            a5 = _tl_acc_lane(a5, _tl_field(h, e23, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a6 = _tl_acc_lane(a6, _tl_field(h, e23, 12, 4), s, s12, si, 12, Q, FIRST, SLOW, EMU)
+            a7 = _tl_acc_lane(a7, _tl_field(h, e23, 16, 4), s, s16, si, 16, Q, FIRST, SLOW, EMU)
         else:
+            w = w ^ -2139062144                                 # 0x80808080
+            wb = wb ^ -2139062144
             ha = w >> 16                                        # bytes 2, 3 at bits 0..15
             hb = wb >> 16
             s8 = s * 0.00390625
-            a0 = _tl_acc_lane(a0, _tl_field(w, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a1 = _tl_acc_lane(a1, _tl_field(w, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a2 = _tl_acc_lane(a2, _tl_field(ha, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a3 = _tl_acc_lane(a3, _tl_field(ha, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a4 = _tl_acc_lane(a4, _tl_field(wb, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a5 = _tl_acc_lane(a5, _tl_field(wb, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a6 = _tl_acc_lane(a6, _tl_field(hb, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a7 = _tl_acc_lane(a7, _tl_field(hb, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-        return a0, a1, a2, a3, a4, a5, a6, a7
+            a0 = _tl_acc_lane(a0, _tl_field(w, e23, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a1 = _tl_acc_lane(a1, _tl_field(w, e23, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a2 = _tl_acc_lane(a2, _tl_field(ha, e23, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a3 = _tl_acc_lane(a3, _tl_field(ha, e23, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a4 = _tl_acc_lane(a4, _tl_field(wb, e23, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a5 = _tl_acc_lane(a5, _tl_field(wb, e23, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+            a6 = _tl_acc_lane(a6, _tl_field(hb, e23, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
+            a7 = _tl_acc_lane(a7, _tl_field(hb, e23, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
+        return a0, a1, a2, a3, a4, a5, a6, a7, slow
 
     @triton.jit
     def _tl_sum_sources(w32_ptr, f32_ptr, base0, stride, oc, omask, b0, blk, nb, K: tl.constexpr,
@@ -536,29 +552,18 @@ if HAS_TRITON:
                         MASKED: tl.constexpr, SLOW: tl.constexpr, EMU: tl.constexpr):
         """Sum, in source order, of the pieces at word offsets ``base0 + k * stride`` (k < K):
         acc = code_0 * s_0, then acc = fma(code_k, s_k, acc). Unrolled and branch-free, so that
-        the loads of all sources can be in flight together."""
+        the loads of all sources can be in flight together. Also returns whether the tile needs
+        the slow path (then the fast sum is garbage, and the caller does the tile again)."""
         z = tl.zeros((G, BPP, REP, U), tl.float32)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_acc_source(
+        a0, a1, a2, a3, a4, a5, a6, a7, slow = _tl_acc_source(
             z, z, z, z, z, z, z, z, w32_ptr, f32_ptr, base0, oc, omask, b0, blk, nb, BITS, B, G, BPP,
             REP, U, MASKED, True, SLOW, EMU)
         for k in tl.static_range(1, K):
-            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_acc_source(
+            a0, a1, a2, a3, a4, a5, a6, a7, sk = _tl_acc_source(
                 a0, a1, a2, a3, a4, a5, a6, a7, w32_ptr, f32_ptr, base0 + k * stride, oc, omask,
                 b0, blk, nb, BITS, B, G, BPP, REP, U, MASKED, False, SLOW, EMU)
-        return a0, a1, a2, a3, a4, a5, a6, a7
-
-    @triton.jit
-    def _tl_any_slow(f32_ptr, base0, stride, blk, nb, K: tl.constexpr, BITS: tl.constexpr,
-                     B: tl.constexpr):
-        """Does any source's tile hold an inf-marker block or a scale below 2**-100?"""
-        rowok = blk < nb
-        cw = tl.cast(nb, tl.int64) * (B * BITS // 32)
-        s = tl.load(f32_ptr + base0 + cw + blk, mask=rowok, other=1.0)
-        flag = (s == _INF) | ((s > 0.0) & (s < _TINY))
-        for k in tl.static_range(1, K):
-            s = tl.load(f32_ptr + (base0 + k * stride) + cw + blk, mask=rowok, other=1.0)
-            flag = flag | (s == _INF) | ((s > 0.0) & (s < _TINY))
-        return tl.max(flag.to(tl.int32), axis=0) > 0
+            slow = slow | sk
+        return a0, a1, a2, a3, a4, a5, a6, a7, tl.max(slow.to(tl.int32), axis=0) > 0
 
     # ---- values -> codes ----------------------------------------------------------------
 
@@ -722,12 +727,13 @@ if HAS_TRITON:
                         B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr,
                         U: tl.constexpr, MASKED: tl.constexpr, SLOW: tl.constexpr,
                         CHECK: tl.constexpr, EMU: tl.constexpr):
-        """Sum the sources over the tile, requantize, store; returns 'some block non-finite'."""
+        """Sum the sources over the tile, requantize, store; returns (some block non-finite,
+        the tile needs the slow path)."""
         Q: tl.constexpr = (1 << (OUT_BITS - 1)) - 1
         OB: tl.constexpr = B // 8
-        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_sources(in_w32, in_f32, base0, stride, oc, omask,
-                                                         b0, blk, nb, K, IN_BITS, B, G, BPP, REP,
-                                                         U, MASKED, SLOW, EMU)
+        a0, a1, a2, a3, a4, a5, a6, a7, slow = _tl_sum_sources(
+            in_w32, in_f32, base0, stride, oc, omask, b0, blk, nb, K, IN_BITS, B, G, BPP, REP, U,
+            MASKED, SLOW, EMU)
         scale, inv, bad = _tl_scales(a0, a1, a2, a3, a4, a5, a6, a7, Q)
         wb = obase + b0.to(tl.int64) * (OB * OUT_BITS // 4)
         _tl_quant_store(a0, a1, a2, a3, a4, a5, a6, a7, inv[None, :, None, None], out_w32, wb, oc,
@@ -737,7 +743,7 @@ if HAS_TRITON:
             tl.store(out_f32 + sb + blk, scale, mask=blk < nb)
         else:
             tl.store(out_f32 + sb + blk, scale)
-        return tl.max(bad.to(tl.int32), axis=0)
+        return tl.max(bad.to(tl.int32), axis=0) > 0, slow
 
     @triton.jit
     def _qgz_reduce_requantize_kernel(in_w32, in_f32, out_w32, out_f32, P, nb, K: tl.constexpr,
@@ -760,35 +766,41 @@ if HAS_TRITON:
         base0 = p.to(tl.int64) * pw_in
         stride = P * pw_in
         obase = p.to(tl.int64) * pw_out
-        if _tl_any_slow(in_f32, base0, stride, blk, nb, K, IN_BITS, B):   # RARE: tile-uniform
+        # The fast path first, unconditionally (no wait for the scales before the codes are
+        # loaded). Sums of finite products have no NaN; they may overflow to +-inf. Either rare
+        # case (tile-uniform) does the tile again, overwriting what the fast path stored.
+        bad, slow = _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc,
+                                    omask, b0, blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U,
+                                    MASKED, False, False, EMU)
+        if slow:     # RARE: inf markers or tiny scales
             _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc, omask, b0,
-                            blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED, True, True, EMU)
-        else:
-            # Sums of finite products have no NaN; they may overflow to +-inf (rare: then the
-            # tile is done again, with the special codes).
-            nbad = _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc,
-                                   omask, b0, blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED,
-                                   False, False, EMU)
-            if nbad > 0:  # RARE
-                _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc, omask,
-                                b0, blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED, False,
-                                True, EMU)
+                            blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED, True, True,
+                            EMU)
+        elif bad:    # RARE: a sum overflowed
+            _tl_reduce_tile(in_w32, in_f32, out_w32, out_f32, base0, stride, obase, oc, omask, b0,
+                            blk, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED, False, True,
+                            EMU)
 
     @triton.jit
-    def _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, omask, b0, blk, nb, lim, scale,
+    def _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, omask, b0, blk, nb, lim, scale,
                          K: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
-                         BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr, V: tl.constexpr,
+                         BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
                          MASKED: tl.constexpr, PAD: tl.constexpr, SLOW: tl.constexpr,
                          ENCODE_BF16: tl.constexpr, EMU: tl.constexpr):
-        """Sum the sources over the tile, times ``scale``, stored in the output dtype (V-element
-        16-byte vectors)."""
-        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_sources(in_w32, in_f32, pw * 0, pw, oc, omask, b0,
-                                                         blk, nb, K, BITS, B, G, BPP, REP, U,
-                                                         MASKED, SLOW, EMU)
+        """Sum the sources over the tile, times ``scale``, stored in the output dtype; returns
+        whether the tile needs the slow path."""
+        a0, a1, a2, a3, a4, a5, a6, a7, slow = _tl_sum_sources(
+            in_w32, in_f32, pw * 0, pw, oc, omask, b0, blk, nb, K, BITS, B, G, BPP, REP, U, MASKED,
+            SLOW, EMU)
         y = _tl_join8(a0, a1, a2, a3, a4, a5, a6, a7, G, BPP, REP, U) * scale
-        y = tl.reshape(y, (G, BPP, REP, U, 8 // V, V))
-        idx = ((oc * 8)[:, :, :, :, None, None] + (tl.arange(0, 8 // V) * V)[None, None, None, None, :, None]
-               + tl.arange(0, V)[None, None, None, None, None, :])
+        # Back to memory order, [block, element in block]: the store then gets its own layout
+        # (consecutive threads, consecutive 16-byte vectors; the compiler moves the values
+        # through shared memory). Stored in the register layout, each warp instruction would
+        # write half-sectors spread over 32 lines.
+        OPB: tl.constexpr = G * REP * U * 8                     # element slots per block
+        y = tl.reshape(tl.permute(y, (1, 2, 0, 3, 4)), (BPP, OPB))
+        e = tl.arange(0, OPB)[None, :]
+        idx = (tl.arange(0, BPP) * B)[:, None] + e
         if ENCODE_BF16:  # interpreter: out_ptr is the bf16 output viewed as int16; exact RNE
             u = y.to(tl.uint32, bitcast=True)
             r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -800,17 +812,18 @@ if HAS_TRITON:
         if MASKED:
             msk = idx < lim
             if PAD:
-                msk = msk & (oin < B // 8)[:, :, :, :, None, None]
+                msk = msk & (e < B)
             tl.store(out_ptr + t0 + idx, res, mask=msk)
         else:
             tl.store(out_ptr + t0 + idx, res)
+        return slow
 
     @triton.jit
     def _qgz_dequantize_reduce_kernel(in_w32, in_f32, out_ptr, S, nb, scale, K: tl.constexpr,
                                       BITS: tl.constexpr, B: tl.constexpr, BPP: tl.constexpr,
                                       G: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
-                                      V: tl.constexpr, EVEN: tl.constexpr,
-                                      ENCODE_BF16: tl.constexpr, EMU: tl.constexpr):
+                                      EVEN: tl.constexpr, ENCODE_BF16: tl.constexpr,
+                                      EMU: tl.constexpr):
         OB: tl.constexpr = B // 8
         PAD: tl.constexpr = (OB & (OB - 1)) != 0
         MASKED: tl.constexpr = (not EVEN) or PAD
@@ -821,31 +834,41 @@ if HAS_TRITON:
         omask = (oin < OB) & (blk < nb)[None, :, None, None]
         lim = tl.minimum(S - pid.to(tl.int64) * (BPP * B), BPP * B).to(tl.int32)
         pw = tl.cast(nb, tl.int64) * (B * BITS // 32 + 1)
-        if _tl_any_slow(in_f32, pw * 0, pw, blk, nb, K, BITS, B):        # RARE: tile-uniform
-            _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, omask, b0, blk, nb, lim, scale, K,
-                             BITS, B, G, BPP, REP, U, V, MASKED, PAD, True, ENCODE_BF16, EMU)
-        else:
-            _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, omask, b0, blk, nb, lim, scale, K,
-                             BITS, B, G, BPP, REP, U, V, MASKED, PAD, False, ENCODE_BF16, EMU)
+        # Fast path unconditionally; a tile with inf markers or tiny scales (RARE, tile-uniform)
+        # is done again, overwriting it.
+        if _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, omask, b0, blk, nb, lim, scale, K,
+                            BITS, B, G, BPP, REP, U, MASKED, PAD, False, ENCODE_BF16, EMU):
+            _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, omask, b0, blk, nb, lim, scale, K,
+                             BITS, B, G, BPP, REP, U, MASKED, PAD, True, ENCODE_BF16, EMU)
 
 
-# Elements per program tile and warps per program, per kernel (the benchmark's --sweep reports
-# alternatives on the GPU). A thread holds tile_elems / (32 * num_warps) elements.
+# Per kernel and input bits (dequantize_reduce: and bytes per output element): elements per
+# program tile, warps per program, and U, the octets of one thread vector (see the tile comment
+# above the kernels). A thread holds tile_elems / (32 * num_warps) elements. Chosen by sweeps of
+# examples/bench_grad_kernels.py on an H200: INT8 sources reduce fastest with small tiles (more
+# programs in flight per SM), INT4 sources with large ones (per-block work amortized: that
+# kernel is instruction bound); INT4 -> bf16 dequantize_reduce ran at 88% of copy with
+# U = 4 and 4096 elements against 83% with the fp32 output's choice (which got 79% with it).
 TUNING = {
-    "quantize": dict(tile_elems=8192, num_warps=4),
-    "reduce_requantize": dict(tile_elems=8192, num_warps=4),
-    "dequantize_reduce": dict(tile_elems=8192, num_warps=4),
+    "quantize": {4: dict(tile_elems=8192, num_warps=4, octets=2),
+                 8: dict(tile_elems=8192, num_warps=4, octets=2)},
+    "reduce_requantize": {4: dict(tile_elems=8192, num_warps=4, octets=4),
+                          8: dict(tile_elems=2048, num_warps=4, octets=4)},
+    "dequantize_reduce": {(4, 2): dict(tile_elems=4096, num_warps=4, octets=4),
+                          (4, 4): dict(tile_elems=2048, num_warps=4, octets=2),
+                          (8, 2): dict(tile_elems=2048, num_warps=4, octets=2),
+                          (8, 4): dict(tile_elems=2048, num_warps=4, octets=2)},
 }
-U_OCTETS = 4   # octets per thread vector (see the tile comment above the kernels)
 
 
-def _tile(kernel: str, block_size: int, nb: int, tile_elems, num_warps):
+def _tile(kernel: str, key, block_size: int, nb: int, tile_elems, num_warps):
     """(BPP blocks per program, G threads per block, REP octet vectors per thread per block, U,
-    warps)."""
-    warps = num_warps or TUNING[kernel]["num_warps"]
+    warps); ``key`` indexes TUNING[kernel]."""
+    tune = TUNING[kernel][key]
+    warps = num_warps or tune["num_warps"]
     opr = triton.next_power_of_2(block_size // 8)           # octets per block, padded
-    U = U_OCTETS
-    bpp = triton.next_power_of_2(max(1, (tile_elems or TUNING[kernel]["tile_elems"]) // (8 * opr)))
+    U = tune["octets"]
+    bpp = triton.next_power_of_2(max(1, (tile_elems or tune["tile_elems"]) // (8 * opr)))
     bpp = min(bpp, triton.next_power_of_2(nb))              # small inputs: no masked blocks
     per_thread = max(U, bpp * opr // (32 * warps))          # octets per thread in the tile
     per_row = min(opr, per_thread)                          # ... of one block
@@ -902,7 +925,7 @@ def qgz_quantize_triton(grad, num_nodes, ranks_per_node, bits, block_size, *, ti
     nb = num_blocks(S, block_size)
     P = num_nodes * ranks_per_node
     out = torch.empty(P * piece_bytes(S, block_size, bits), dtype=torch.uint8, device=grad.device)
-    bpp, G, rep, U, warps = _tile("quantize", block_size, nb, tile_elems, num_warps)
+    bpp, G, rep, U, warps = _tile("quantize", bits, block_size, nb, tile_elems, num_warps)
     # 16-bit inputs are read as int32 pairs (exact, cheap decode) when shards keep pairs aligned
     pairs = grad.element_size() == 2 and S % 2 == 0 and grad.data_ptr() % 4 == 0
     if grad.dtype == torch.float32:
@@ -932,7 +955,8 @@ def qgz_reduce_requantize_triton(recv, num_sources, num_pieces, shard_size, in_b
     nb = num_blocks(shard_size, block_size)
     out = torch.empty(num_pieces * piece_bytes(shard_size, block_size, out_bits),
                       dtype=torch.uint8, device=recv.device)
-    bpp, G, rep, U, warps = _tile("reduce_requantize", block_size, nb, tile_elems, num_warps)
+    bpp, G, rep, U, warps = _tile("reduce_requantize", in_bits, block_size, nb, tile_elems,
+                                   num_warps)
     with _LaunchCtx(recv):
         _qgz_reduce_requantize_kernel[(triton.cdiv(nb, bpp), num_pieces)](
             recv.view(torch.int32), recv.view(torch.float32), out.view(torch.int32),
@@ -951,14 +975,15 @@ def qgz_dequantize_reduce_triton(recv, num_sources, shard_size, bits, block_size
     recv = _aligned_u8(recv)
     nb = num_blocks(shard_size, block_size)
     out = torch.empty(shard_size, dtype=dtype, device=recv.device)
-    bpp, G, rep, U, warps = _tile("dequantize_reduce", block_size, nb, tile_elems, num_warps)
+    bpp, G, rep, U, warps = _tile("dequantize_reduce", (bits, out.element_size()), block_size,
+                                   nb, tile_elems, num_warps)
     encode = _interpreting() and dtype == torch.bfloat16
     with _LaunchCtx(recv):
         _qgz_dequantize_reduce_kernel[(triton.cdiv(nb, bpp),)](
             recv.view(torch.int32), recv.view(torch.float32),
             out.view(torch.int16) if encode else out, shard_size, nb, float(scale),
             K=num_sources, BITS=bits, B=block_size, BPP=bpp, G=G, REP=rep, U=U,
-            V=_vec(out.element_size()), EVEN=(shard_size % (bpp * block_size) == 0),
+            EVEN=(shard_size % (bpp * block_size) == 0),
             ENCODE_BF16=encode, EMU=_interpreting(), num_warps=warps, enable_fp_fusion=False)
     return out
 

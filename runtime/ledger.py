@@ -8,7 +8,9 @@ the volume of a step is known without running it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -31,6 +33,36 @@ class CollectiveRecord:
     intra_bytes: int  # received from peers on this rank's node
     inter_bytes: int  # received from peers on other nodes
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "group": self.group.name, "ranks": list(self.group.ranks),
+                "dtype": str(self.dtype).removeprefix("torch."), "intra_bytes": self.intra_bytes,
+                "inter_bytes": self.inter_bytes}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> CollectiveRecord:
+        group = Group(values["group"], tuple(values["ranks"]))
+        return cls(values["op"], group, getattr(torch, values["dtype"]), values["intra_bytes"], values["inter_bytes"])
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    """What the plain ZeRO-3 baseline needs to know of one sharded model: how many parameter
+    elements it shards (padded to equal shards, tied parameters once) and over which topology."""
+
+    sharding_id: int
+    padded_numel: int
+    world_size: int
+    ranks_per_node: int
+
+    def zero3_bytes(self) -> tuple[int, int]:
+        """(intra, inter) bytes one rank receives per step under plain ZeRO-3 in bf16 (the
+        paper's 3M): forward all-gather, backward all-gather and gradient reduce-scatter over all
+        ranks, each peer sending this rank 2 x padded_numel / world bytes, counted as
+        `collectives_in_graph` counts them."""
+        per_peer = 2 * self.padded_numel // self.world_size
+        same, other = self.ranks_per_node - 1, self.world_size - self.ranks_per_node
+        return 3 * same * per_peer, 3 * other * per_peer
+
 
 @dataclass(frozen=True)
 class GraphComm:
@@ -40,6 +72,7 @@ class GraphComm:
     kind: str
     collectives: tuple[CollectiveRecord, ...]
     secondary_bytes: int = 0  # hpZ copies this (forward) graph keeps for backward
+    model: ShardedModel | None = None  # the sharded model whose parameters it gathers
 
     @property
     def intra_bytes(self) -> int:
@@ -49,10 +82,32 @@ class GraphComm:
     def inter_bytes(self) -> int:
         return sum(c.inter_bytes for c in self.collectives)
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, for a dump; `from_dict` reads it back."""
+        return {"graph": self.graph_name, "kind": self.kind, "secondary_bytes": self.secondary_bytes,
+                "model": vars(self.model) if self.model else None,
+                "collectives": [c.to_dict() for c in self.collectives]}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GraphComm:
+        model = ShardedModel(**values["model"]) if values.get("model") else None
+        records = tuple(CollectiveRecord.from_dict(c) for c in values["collectives"])
+        return cls(values["graph"], values["kind"], records, values["secondary_bytes"], model)
+
 
 def collectives_in_graph(graph: fx.Graph, topology: Topology) -> tuple[CollectiveRecord, ...]:
-    groups = {g.name: g for g in (topology.world, topology.intra_node, topology.inter_node, topology.secondary) if g}
-    records = []
+    return tuple(collectives_by_node(graph, topology).values())
+
+
+def zeropp_groups(topology: Topology) -> dict[str, Group]:
+    """The process groups zeropp communicates over, by name."""
+    return {g.name: g for g in (topology.world, topology.intra_node, topology.inter_node, topology.secondary) if g}
+
+
+def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, CollectiveRecord]:
+    """The zeropp collectives of `graph` (those over its topology's groups), in graph order."""
+    groups = zeropp_groups(topology)
+    records = {}
     for node in graph.nodes:
         op = _OPS.get(node.target)
         group = groups.get(str(node.args[-1])) if op else None
@@ -63,9 +118,8 @@ def collectives_in_graph(graph: fx.Graph, topology: Topology) -> tuple[Collectiv
         # What each peer sends this rank: its whole input for a gather, else the chunk for here.
         per_peer = nbytes if op == "all_gather" else nbytes // group.size
         same, other = topology.peers_by_link(group)
-        records.append(CollectiveRecord(op, group, value.dtype, same * per_peer, other * per_peer))
-    return tuple(records)
-
+        records[node] = CollectiveRecord(op, group, value.dtype, same * per_peer, other * per_peer)
+    return records
 
 
 def training_graphs(graphs: list[GraphComm]) -> list[GraphComm]:
@@ -79,3 +133,135 @@ def training_step_bytes(graphs: list[GraphComm]) -> tuple[int, int]:
     """(intra, inter) bytes one training step moves."""
     chosen = training_graphs(graphs)
     return sum(g.intra_bytes for g in chosen), sum(g.inter_bytes for g in chosen)
+
+
+# ------------------------------------------------------------------------------ the report
+
+PHASES = ("forward weight gather", "backward weight gather", "gradient reduction")
+
+
+def phase_of(kind: str, op: str) -> str:
+    """Which of plain ZeRO-3's three collectives a collective stands for (qwZ rewrites the first,
+    hpZ the second, qgZ the third)."""
+    if op == "all_gather":
+        return PHASES[1] if kind == "backward" else PHASES[0]
+    return PHASES[2] if kind == "backward" else "other"
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """One collective of a training step, as this rank sees it."""
+
+    graph: str
+    phase: str
+    op: str
+    ranks: tuple[int, ...]
+    dtype: str
+    intra_bytes: int
+    inter_bytes: int
+
+    @property
+    def link(self) -> str:
+        """The link class its bytes travel: "intra", "inter", "intra+inter", or "-" (none)."""
+        return "+".join(name for name, n in (("intra", self.intra_bytes), ("inter", self.inter_bytes)) if n) or "-"
+
+
+@dataclass(frozen=True)
+class CommReport:
+    """The communication of one training step on one rank, against plain ZeRO-3 in bf16.
+
+    Bytes are what this rank receives per step (see the module docstring). The baseline moves
+    3 x 2 bytes x the padded parameter count x (world-1)/world, split by link class the same way.
+    """
+
+    rows: tuple[CommRow, ...]
+    secondary_bytes: int  # hpZ copies held from forward to backward
+    baseline_intra_bytes: int
+    baseline_inter_bytes: int
+    sharded_numel: int  # padded parameter elements of the models in the report (M = 2 x this)
+
+    @classmethod
+    def from_graphs(cls, graphs: list[GraphComm]) -> CommReport:
+        """The report of the training graphs among `graphs` (the ledger, or a dump read back)."""
+        chosen = training_graphs(graphs)
+        rows = tuple(
+            CommRow(g.graph_name, phase_of(g.kind, c.op), c.op, c.group.ranks, str(c.dtype).removeprefix("torch."),
+                    c.intra_bytes, c.inter_bytes)
+            for g in chosen for c in g.collectives
+        )
+        models = {g.model.sharding_id: g.model for g in chosen if g.model}.values()
+        baselines = [m.zero3_bytes() for m in models]
+        return cls(rows, sum(g.secondary_bytes for g in chosen), sum(b[0] for b in baselines),
+                   sum(b[1] for b in baselines), sum(m.padded_numel for m in models))
+
+    @property
+    def intra_bytes(self) -> int:
+        return sum(r.intra_bytes for r in self.rows)
+
+    @property
+    def inter_bytes(self) -> int:
+        return sum(r.inter_bytes for r in self.rows)
+
+    @property
+    def inter_ratio(self) -> float:
+        """Inter-node bytes over plain ZeRO-3's (nan on one node, where the baseline has none)."""
+        return _ratio(self.inter_bytes, self.baseline_inter_bytes)
+
+    @property
+    def total_ratio(self) -> float:
+        return _ratio(self.intra_bytes + self.inter_bytes, self.baseline_intra_bytes + self.baseline_inter_bytes)
+
+    def by_phase(self) -> dict[str, tuple[int, int]]:
+        """(intra, inter) bytes per phase, each of plain ZeRO-3's three collectives included."""
+        out = {phase: (0, 0) for phase in PHASES}
+        for r in self.rows:
+            intra, inter = out.get(r.phase, (0, 0))
+            out[r.phase] = (intra + r.intra_bytes, inter + r.inter_bytes)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (ratios are null where the baseline is zero)."""
+        as_json = lambda x: None if math.isnan(x) else x  # noqa: E731
+        third = (self.baseline_intra_bytes // 3, self.baseline_inter_bytes // 3)
+        return {
+            "intra_bytes": self.intra_bytes, "inter_bytes": self.inter_bytes,
+            "baseline_intra_bytes": self.baseline_intra_bytes, "baseline_inter_bytes": self.baseline_inter_bytes,
+            "inter_ratio": as_json(self.inter_ratio), "total_ratio": as_json(self.total_ratio),
+            "secondary_bytes": self.secondary_bytes, "sharded_numel": self.sharded_numel,
+            "phases": {phase: {"intra_bytes": intra, "inter_bytes": inter, "baseline_intra_bytes": third[0],
+                               "baseline_inter_bytes": third[1]}
+                       for phase, (intra, inter) in self.by_phase().items()},
+            "collectives": [{**vars(r), "ranks": list(r.ranks), "link": r.link} for r in self.rows],
+        }
+
+    def table(self, collectives: bool = True) -> str:
+        """The report as text: one line per collective (optional), then totals per phase."""
+        lines = []
+        if collectives:
+            lines.append(f"{'graph':<12} {'phase':<23} {'op':<14} {'ranks':<14} {'dtype':<9} "
+                         f"{'intra B':>13} {'inter B':>13}  link")
+            lines += [f"{r.graph:<12} {r.phase:<23} {r.op:<14} {_ranks(r.ranks):<14} {r.dtype:<9} "
+                      f"{r.intra_bytes:>13,} {r.inter_bytes:>13,}  {r.link}" for r in self.rows]
+            lines.append("")
+        third = (self.baseline_intra_bytes // 3, self.baseline_inter_bytes // 3)
+        lines.append(f"{'per step, per rank':<23} {'intra B':>13} {'inter B':>13}   {'ZeRO-3 intra':>13} "
+                     f"{'ZeRO-3 inter':>13}  {'inter x':>7} {'total x':>7}")
+        totals = [(phase, intra, inter, *third) for phase, (intra, inter) in self.by_phase().items()]
+        totals.append(("total", self.intra_bytes, self.inter_bytes,
+                       self.baseline_intra_bytes, self.baseline_inter_bytes))
+        for name, intra, inter, base_intra, base_inter in totals:
+            lines.append(f"{name:<23} {intra:>13,} {inter:>13,}   {base_intra:>13,} {base_inter:>13,}  "
+                         f"{_ratio(inter, base_inter):>7.3f} {_ratio(intra + inter, base_intra + base_inter):>7.3f}")
+        lines.append(f"hpZ secondary copies held: {self.secondary_bytes:,} B; "
+                     f"M = 2 B x {self.sharded_numel:,} sharded parameter elements = {2 * self.sharded_numel:,} B; "
+                     "ZeRO-3 = plain ZeRO-3 in bf16 (3M x (world-1)/world per rank)")
+        return "\n".join(lines)
+
+
+def _ratio(value: int, baseline: int) -> float:
+    return value / baseline if baseline else math.nan
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    text = ",".join(map(str, ranks))
+    return f"[{text}]" if len(text) <= 12 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)})"

@@ -9,6 +9,9 @@ they are plain ZeRO-3, the numerical reference.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -78,6 +81,20 @@ def reduce_grad_quantized(
     return shard[:shard_numel]
 
 
+@contextlib.contextmanager
+def naming_collective(op: str, group_size: int, group_name: str) -> Iterator[None]:
+    """Re-raises a failed collective (a peer died, hung past the timeout, or issued another
+    collective) with the op and group named: the backend's own text names neither."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"zeropp collective {op} over process group {group_name!r} ({group_size} ranks) failed: {error}. "
+            "A peer rank died, hung past Config.collective_timeout_s, or ran a different collective; "
+            "check the other ranks' logs"
+        ) from error
+
+
 @torch.library.custom_op("zpp::all_gather_flat", mutates_args=())
 def all_gather_flat(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Every group member's `x`, concatenated: a gather with no autograd and no cast.
@@ -85,7 +102,8 @@ def all_gather_flat(x: torch.Tensor, group_size: int, group_name: str) -> torch.
     Joint-graph passes use it where they add a gather of their own (hpZ): the partitioner would
     force-save a `_c10d_functional` collective, but treats this op like any other.
     """
-    return all_gather(x, group_size, group_name)
+    with naming_collective("zpp::all_gather_flat", group_size, group_name):
+        return all_gather(x, group_size, group_name)
 
 
 @all_gather_flat.register_fake
@@ -151,7 +169,8 @@ def all_gather_param(
     `sharding_id` names the `shard` call the parameter belongs to, so the backend finds its
     settings, and Dynamo, which guards on it, recompiles for a model sharded differently.
     """
-    return gather_param(shard, shard_size, group_size, group_name, dtype)
+    with naming_collective("zpp::all_gather_param (parameter all-gather)", group_size, group_name):
+        return gather_param(shard, shard_size, group_size, group_name, dtype)
 
 
 @all_gather_param.register_fake
@@ -164,7 +183,8 @@ def reduce_grad(
     grad: torch.Tensor, shard_numel: int, group_size: int, group_name: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """This rank's shard of the mean gradient over the group, computed in `dtype`."""
-    return reduce_grad_mean(grad, shard_numel, group_size, group_name, dtype)
+    with naming_collective("zpp::reduce_grad (gradient reduce-scatter)", group_size, group_name):
+        return reduce_grad_mean(grad, shard_numel, group_size, group_name, dtype)
 
 
 @reduce_grad.register_fake
@@ -184,3 +204,36 @@ def _backward(ctx, grad):
 
 
 all_gather_param.register_autograd(_backward, setup_context=_setup_context)
+
+
+class KeepGradLocal(torch.autograd.Function):
+    """`weight` in forward; in backward its gradient goes, unreduced, to `sink` instead.
+
+    With gradient sync off, sharding gathers from a detached shard and routes the weight through
+    this function: backward then holds no `zpp::reduce_grad` at all, and autograd accumulates the
+    full gradient of every micro-step in `sink.grad` (a leaf, in `sink`'s dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        ctx.sink_dtype = sink.dtype
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad.to(ctx.sink_dtype)
+
+
+class AddPendingGrad(torch.autograd.Function):
+    """`weight` in forward; in backward `pending` (gradients kept while sync was off) is added to
+    its gradient before `zpp::reduce_grad` reduces it, so an accumulation window costs one reduction."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pending)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (pending,) = ctx.saved_tensors
+        return grad + pending.to(grad.dtype), None

@@ -26,6 +26,7 @@ class ShardingState:
 
     config: Any  # zpp_compile.Config
     topology: Topology
+    padded_numel: int  # elements of its distinct parameters, padded to equal shards (the paper's M / 2)
 
 
 @dataclass

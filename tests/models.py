@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 class Block(nn.Module):
@@ -61,3 +62,14 @@ def batches(steps: int, world_size: int, per_rank: int = 2, vocab: int = 37, seq
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, vocab, (steps, world_size * per_rank, seq + 1), generator=g)
     return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+class CheckpointedTransformer(TinyTransformer):
+    """The same model with every block under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -5,8 +5,9 @@
 """
 
 from .config import Config, ConfigError
-from .runtime.ledger import training_graphs, training_step_bytes
+from .runtime.ledger import CommReport, training_graphs, training_step_bytes
 from .runtime.registry import REGISTRY
+from .grad_sync import no_sync, set_requires_gradient_sync
 from .sharding import full_state_dict, shard
 
 
@@ -21,4 +22,13 @@ def secondary_copy_bytes() -> int:
     return sum(g.secondary_bytes for g in training_graphs(REGISTRY.ledger))
 
 
-__all__ = ["Config", "ConfigError", "shard", "full_state_dict", "step_comm_bytes", "secondary_copy_bytes"]
+def comm_report() -> CommReport:
+    """The collectives of one training step on this rank, from the compiled graphs, against plain
+    ZeRO-3 in bf16 for the same sharded parameters and topology (`.table()`, `.to_dict()`)."""
+    return CommReport.from_graphs(REGISTRY.ledger)
+
+
+__all__ = [
+    "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
+    "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
+]

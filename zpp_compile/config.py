@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,10 @@ _DTYPE_NAMES = {
     "float": torch.float32,
 }
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Environment switches read at compile time (see `Config.with_environment`).
+DUMP_DIR_ENV = "ZEROPP_DUMP_DIR"
+DISABLE_PASSES_ENV = "ZEROPP_DISABLE_PASSES"
 
 # DeepSpeed's "zero_optimization" names -> ours. hpZ partition size 1 means "off" in DeepSpeed;
 # here 1 means "a full copy on every rank", so the value is translated too (see `from_dict`).
@@ -80,9 +85,9 @@ class Config:
     reduce_dtype: torch.dtype = torch.float32
     # Gathered weights are re-gathered in backward instead of being kept from forward.
     reshard_after_forward: bool = True
-    # Scheduling: bytes per communication bucket (0 = one collective per parameter) and how
-    # many layers' gathers may be in flight ahead of compute.
-    bucket_size: int = 0
+    # Scheduling: gathered bytes per communication bucket (0 = one collective per parameter) and
+    # how many buckets' gathers may be in flight ahead of the compute that needs them.
+    bucket_size: int = 64 << 20
     prefetch: int = 1
     # Compilation and debugging.
     inductor: bool = True
@@ -178,6 +183,18 @@ class Config:
         merged = {k: v for k, v in self.to_dict().items() if k not in values}
         merged.update(values)
         return Config.from_dict(merged)
+
+    def with_environment(self) -> Config:
+        """This config with the debugging switches of the environment applied (what `zeropp dump`
+        sets, so any launch can dump): ZEROPP_DUMP_DIR replaces `dump_dir`, and ZEROPP_DISABLE_PASSES
+        (comma-separated pass names) adds to `disable_passes`."""
+        values: dict[str, Any] = {}
+        if os.environ.get(DUMP_DIR_ENV):
+            values["dump_dir"] = os.environ[DUMP_DIR_ENV]
+        disabled = [name.strip() for name in os.environ.get(DISABLE_PASSES_ENV, "").split(",") if name.strip()]
+        if disabled:
+            values["disable_passes"] = tuple(dict.fromkeys([*self.disable_passes, *disabled]))
+        return self.updated(values) if values else self
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready values (dtypes as strings)."""

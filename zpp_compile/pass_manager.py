@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import contextlib
+from typing import Iterator
 
+import torch
 import torch.fx as fx
 
 from .config import Config, ConfigError
+from .dump import GraphDump
 from .passes import PASSES, GraphPass, PassContext
-from .passes.fx_util import is_backward
-from .runtime.ledger import GraphComm, collectives_in_graph
+from .passes.fx_util import is_backward, nodes_calling
+from .runtime.ledger import GraphComm, ShardedModel, collectives_in_graph
 from .runtime.registry import REGISTRY
 from .runtime.topology import Topology
 
@@ -19,28 +22,56 @@ def enabled_passes(config: Config) -> list[GraphPass]:
     unknown = sorted(set(config.disable_passes) - {p.name for p in PASSES})
     if unknown:
         raise ConfigError(
-            f"Config.disable_passes names unknown passes {unknown}; known: {[p.name for p in PASSES]}"
+            f"Config.disable_passes (or ZEROPP_DISABLE_PASSES) names unknown passes {unknown}; "
+            f"known: {[p.name for p in PASSES]}"
         )
     return [p for p in PASSES if p.wanted(config) and p.name not in config.disable_passes]
+
+
+@contextlib.contextmanager
+def _naming_pass_on_oom(pass_name: str, graph_name: str) -> Iterator[None]:
+    """An out-of-memory while compiling says where it happened and what to try."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise torch.OutOfMemoryError(
+            f"zeropp ran out of memory compiling graph {graph_name} in pass {pass_name!r}: {error}. "
+            "Compilation runs in the first step: free memory held before it, use a smaller batch or "
+            "sequence length for that step, or compile without Inductor (options={'inductor': False})"
+        ) from error
 
 
 class PassManager:
     """The passes for one Dynamo graph (named `graph_id`), applied stage by stage."""
 
     def __init__(self, config: Config, topology: Topology, graph_id: str) -> None:
+        config = config.with_environment()  # ZEROPP_DUMP_DIR, ZEROPP_DISABLE_PASSES
         self.config, self.topology, self.graph_id = config, topology, graph_id
         self.passes = enabled_passes(config)
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
+        self.joint_done = False
+        self.model: ShardedModel | None = None  # found in the first graph that gathers parameters
+        self.dump = GraphDump(config.dump_dir, topology) if config.dump_dir is not None else None
 
     def run(self, stage: str, graph: fx.Graph) -> None:
-        """Runs every enabled pass of `stage`; after lowering, records the graph's collectives."""
+        """Runs every enabled pass of `stage`; after lowering, records the graph's collectives.
+
+        A graph compiled without a joint stage (inference, under no_grad) gets the joint passes
+        first, so bucketing and the other joint rewrites apply to it as well.
+        """
+        if stage == "lowering" and not self.joint_done:
+            self.run("joint", graph)
+        self.joint_done = self.joint_done or stage == "joint"
         kind = "joint" if stage == "joint" else ("backward" if is_backward(graph) else "forward")
         ctx = PassContext(self.config, self.topology, f"{self.graph_id}.{kind}", kind)
+        self.model = self.model or self._sharded_model(graph)
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
-            self._dump(graph, ctx, f"{stage}.{index:02d}.{graph_pass.name}.before")
-            graph_pass.run(graph, ctx)
+            before = self.dump.snapshot(graph) if self.dump else None
+            with _naming_pass_on_oom(graph_pass.name, ctx.graph_name):
+                graph_pass.run(graph, ctx)
             graph.lint()
-            self._dump(graph, ctx, f"{stage}.{index:02d}.{graph_pass.name}.after")
+            if self.dump:
+                self.dump.write_pass(f"{ctx.graph_name}.{stage}.{index:02d}.{graph_pass.name}", before, graph)
         if stage == "joint":
             self.secondary_bytes = sum(
                 n.meta["val"].nbytes for n in graph.nodes if n.meta.get("zpp_secondary_copy")
@@ -48,13 +79,15 @@ class PassManager:
         else:
             graph.eliminate_dead_code()
             secondary = self.secondary_bytes if kind == "forward" else 0
-            REGISTRY.ledger.append(
-                GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary)
-            )
+            comm = GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary, self.model)
+            REGISTRY.ledger.append(comm)
+            if self.dump:
+                self.dump.write_graph(comm, graph)
 
-    def _dump(self, graph: fx.Graph, ctx: PassContext, label: str) -> None:
-        if self.config.dump_dir is None:
-            return
-        folder = Path(self.config.dump_dir) / f"rank{self.topology.rank}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{ctx.graph_name}.{label}.py").write_text(graph.python_code("self").src)
+    def _sharded_model(self, graph: fx.Graph) -> ShardedModel | None:
+        """The sharded model whose parameters `graph` gathers (the backend allows only one)."""
+        for node in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
+            sharding_id = node.args[-1]
+            state = REGISTRY.states[sharding_id]
+            return ShardedModel(sharding_id, state.padded_numel, self.topology.world_size, self.topology.ranks_per_node)
+        return None

@@ -11,6 +11,7 @@ shard through `zpp::reduce_grad`. Run eagerly this is plain ZeRO-3; under
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -20,7 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .config import Config
+from .config import Config, ConfigError
+from .grad_sync import gathered_weight
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.registry import REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
@@ -60,7 +62,10 @@ def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = No
     if model in REGISTRY.models:
         raise ValueError("this model is already sharded; call zpp_compile.shard once per model")
     config = Config.load(config)
-    state = ShardingState(config, _topology(config))
+    _check_same_on_every_rank(model, config)
+    topology = _topology(config)
+    padded_numel = sum(_shard_size(p, topology.world.size) * topology.world.size for p in model.parameters())
+    state = ShardingState(config, topology, padded_numel)
     sharding_id = REGISTRY.add_state(state)
     sharded: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -80,6 +85,7 @@ def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = No
             module._parameters[name] = sharded[id(param)]
             layouts[name] = _layout(param, state, sharding_id)
         module._zpp_layouts = layouts
+        module._zpp_accumulators = {}  # filled by set_requires_gradient_sync
         module.__class__ = _gathering_class(type(module), frozenset(names))
     REGISTRY.models[model] = state
     return model
@@ -90,8 +96,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     A collective (it all-gathers every parameter): call it on every rank.
     """
-    if model not in REGISTRY.models:
-        raise ValueError("full_state_dict needs a model sharded by zpp_compile.shard")
+    if not isinstance(model, nn.Module) or model not in REGISTRY.models:
+        raise ValueError(
+            f"full_state_dict needs a model sharded by zpp_compile.shard, got {type(model).__name__}"
+        )
     shapes = {
         f"{prefix}.{name}" if prefix else name: layout.shape
         for prefix, module in model.named_modules(remove_duplicate=False)
@@ -103,6 +111,30 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             value = value.full_tensor().reshape(shapes[key])
         out[key] = value
     return out
+
+
+def _check_same_on_every_rank(model: nn.Module, config: Config) -> None:
+    """Raises on every rank if ranks shard different models or with different configs, which
+    would otherwise hang or corrupt the first collective. One small all_gather_object."""
+    if not dist.is_initialized():
+        return  # _topology says how to initialize
+    structure = hashlib.sha256(
+        repr([(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]).encode()
+    ).hexdigest()
+    settings = {k: v for k, v in config.to_dict().items() if k != "dump_dir"}  # may name a per-rank path
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (settings, structure))
+    for rank, (theirs, their_structure) in enumerate(everyone):
+        differing = sorted(k for k in settings if theirs.get(k) != everyone[0][0].get(k))
+        if differing:
+            values = ", ".join(f"{k}: rank 0 {everyone[0][0][k]!r}, rank {rank} {theirs[k]!r}" for k in differing)
+            raise ConfigError(f"zpp_compile.shard got different configs on different ranks ({values}); "
+                              "every rank must pass the same Config")
+        if their_structure != everyone[0][1]:
+            raise ValueError(
+                f"zpp_compile.shard got a different model on rank {rank} than on rank 0 (parameter names, "
+                "shapes or dtypes differ); every rank must build the same model before sharding it"
+            )
 
 
 def _topology(config: Config) -> Topology:
@@ -130,14 +162,19 @@ def _shard_parameter(param: nn.Parameter, state: ShardingState) -> nn.Parameter:
     return out
 
 
-def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int) -> ParamLayout:
-    topology, config = state.topology, state.config
+def _shard_size(param: nn.Parameter, world_size: int) -> int:
+    """Elements per rank: whole rows, padded so every rank holds the same number."""
     rows = param.shape[0] if param.dim() else 1
     row_numel = param[0].numel() if param.dim() else 1
+    return math.ceil(rows / world_size) * row_numel
+
+
+def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int) -> ParamLayout:
+    topology, config = state.topology, state.config
     world = topology.world
     return ParamLayout(
         shape=param.shape,
-        shard_size=math.ceil(rows / world.size) * row_numel,
+        shard_size=_shard_size(param, world.size),
         group_size=world.size,
         group_name=world.name,
         dtype=config.param_dtype or param.dtype,
@@ -152,7 +189,7 @@ def _gathering_class(cls: type, names: frozenset[str]) -> type:
     if key not in REGISTRY.gathering_classes:
 
         def gathered(name: str) -> property:
-            return property(lambda self: self._zpp_layouts[name].gather(self._parameters[name]))
+            return property(lambda self: gathered_weight(self, name))
 
         REGISTRY.gathering_classes[key] = type(
             f"Sharded{cls.__name__}", (cls,), {name: gathered(name) for name in sorted(names)}

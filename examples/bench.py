@@ -1,0 +1,466 @@
+"""FSDP2 and zeropp side by side: one launch, one process group, the same model and data.
+
+    torchrun --nproc_per_node=2 examples/bench.py                    # GPUs: DESIGN.md section 6's GPT
+    torchrun --nproc_per_node=2 examples/bench.py --slow-link        # NCCL without NVLink/SHM
+    torchrun --nproc_per_node=2 examples/bench.py --variants zero3,all3 --steps 5
+
+Variants (each a fresh model from the same seed, trained on the same batches):
+
+    fsdp2              FSDP2 default: reshard after forward, fp32 gradient reduction
+    fsdp2_bf16_reduce  FSDP2, reshard after forward, bf16 reduction
+    fsdp2_no_reshard   FSDP2, weights kept from forward to backward, bf16 reduction
+    zero3 qwz hpz qgz all3   zeropp: plain ZeRO-3, each technique alone, all three
+
+FSDP2 is `fully_shard` per block and on the root, bf16 parameters, each block compiled (as
+torchtitan does); zeropp is `zpp_compile.shard` with bf16 parameters and the whole step under
+`torch.compile(backend="zeropp")`. zeropp reduces gradients in bf16 by default
+(`--zpp-reduce-dtype`), like FSDP2's bf16 settings and DeepSpeed's ZeRO-3. hpZ's secondary group
+is one emulated node (`--ranks-per-node`, default half the ranks: 2 GPUs are 2 nodes of 1 rank, so
+hpZ keeps a full copy, as "no reshard" does).
+
+Each variant is compared with FSDP2 at equal memory: zeropp without hpZ against the best FSDP2
+setting that reshards after forward, zeropp with hpZ against the best FSDP2 setting of all (no
+reshard keeps at least as much as hpZ does). A step is forward + backward + AdamW.
+
+    tokens/s         all ranks' tokens per step / the slowest rank's step time
+    TFLOP/s per GPU  (6 N + 12 L d T) x tokens/s / GPUs: N parameters, L layers, width d,
+                     sequence T (PaLM's formula; the causal mask's saved half is not subtracted)
+    inter-node B     bytes one rank receives per step from other (emulated) nodes: zeropp's from
+                     the compiled graphs' ledger (also per phase), FSDP2's analytic (its gathers
+                     in bf16, its reduce-scatter in its reduce dtype, shards padded as FSDP2 pads
+                     them); "inter x" is that over plain ZeRO-3 in bf16 (3 gathers' worth)
+    exposed comm     (GPU) share of step time in which a NCCL kernel runs and no other kernel
+                     does, from a torch.profiler trace of --profile-steps steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import zpp_compile as zpp
+from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
+
+SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    label: str
+    system: str  # "fsdp2" or "zeropp"
+    keeps_weights: bool  # gathered weights (or an hpZ copy) live from forward to backward
+    reduce_dtype: torch.dtype
+    zpp_options: dict[str, Any] = field(default_factory=dict)
+
+
+def all_variants(hpz_size: int, zpp_reduce: torch.dtype) -> dict[str, Variant]:
+    bf16, fp32 = torch.bfloat16, torch.float32
+    qwz, hpz, qgz = {"quantized_weights": True}, {"hpz_partition_size": hpz_size}, {"quantized_gradients": True}
+    variants = [
+        Variant("fsdp2", "FSDP2 reshard, fp32 reduce (default)", "fsdp2", False, fp32),
+        Variant("fsdp2_bf16_reduce", "FSDP2 reshard, bf16 reduce", "fsdp2", False, bf16),
+        Variant("fsdp2_no_reshard", "FSDP2 no reshard, bf16 reduce", "fsdp2", True, bf16),
+        Variant("zero3", "zeropp ZeRO-3", "zeropp", False, zpp_reduce),
+        Variant("qwz", "zeropp qwZ", "zeropp", False, zpp_reduce, qwz),
+        Variant("hpz", f"zeropp hpZ={hpz_size}", "zeropp", True, zpp_reduce, hpz),
+        Variant("qgz", "zeropp qgZ", "zeropp", False, zpp_reduce, qgz),
+        Variant("all3", f"zeropp qwZ+hpZ={hpz_size}+qgZ", "zeropp", True, zpp_reduce, {**qwz, **hpz, **qgz}),
+    ]
+    return {v.name: v for v in variants}
+
+
+VARIANT_NAMES = tuple(all_variants(1, torch.bfloat16))
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated subset of {VARIANT_NAMES}")
+    p.add_argument("--dim", type=int, help="model width (default 2048 on GPUs, 64 on CPU)")
+    p.add_argument("--layers", type=int, help="blocks (default 12 on GPUs, 2 on CPU)")
+    p.add_argument("--heads", type=int, help="attention heads (default 16 on GPUs, 2 on CPU)")
+    p.add_argument("--seq", type=int, help="sequence length (default 1024 on GPUs, 64 on CPU)")
+    p.add_argument("--batch", type=int, help="sequences per GPU per step (default 2)")
+    p.add_argument("--steps", type=int, help="timed steps per variant (default 10 on GPUs, 2 on CPU)")
+    p.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3, 1 on CPU)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for exposed communication (GPU; 0: off)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
+    p.add_argument("--zpp-reduce-dtype", choices=sorted(DTYPES), default="bf16", help="zeropp's gradient reduce dtype")
+    p.add_argument("--slow-link", action="store_true",
+                   help="set NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL over its network transport)")
+    p.add_argument("--compile-mode", choices=("inductor", "debug"), default="inductor",
+                   help="debug: zeropp with inductor=False, FSDP2 blocks with backend='aot_eager'")
+    p.add_argument("--zpp-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="a zeropp Config field for every zeropp variant, e.g. bucket_size=33554432 (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-bytes", type=int, default=8_000_000)
+    p.add_argument("--json", help="write the results here (rank 0)")
+    p.add_argument("--png", help="write a bar chart here (rank 0; needs matplotlib)")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANT_NAMES))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
+    args.zpp_option = dict(args.zpp_option)
+    try:
+        zpp.Config(**args.zpp_option)
+    except (zpp.ConfigError, TypeError) as error:
+        p.error(f"--zpp-option: {error}")
+    return args
+
+
+def fill_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
+    """DESIGN.md section 6's GPT on GPUs; a model that runs in seconds on CPU (the CI smoke test)."""
+    gpu = {"dim": 2048, "layers": 12, "heads": 16, "seq": 1024, "batch": 2, "steps": 10, "warmup": 3}
+    cpu = {"dim": 64, "layers": 2, "heads": 2, "seq": 64, "batch": 2, "steps": 2, "warmup": 1}
+    for key, value in (gpu if on_gpu else cpu).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+# ----------------------------------------------------------------------------- building a variant
+
+
+def build_fsdp2(cfg: GPTConfig, variant: Variant, mesh: DeviceMesh, backend: str) -> tuple[nn.Module, nn.Module]:
+    """GPT under FSDP2; returns (the module to call, the module holding the parameters)."""
+    model = GPT(cfg)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=variant.reduce_dtype)
+    reshard = not variant.keeps_weights
+    for index, block in enumerate(model.blocks):
+        compiled = torch.compile(block, backend=backend)  # FSDP2's hooks stay outside the compiled block
+        fully_shard(compiled, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        model.blocks[index] = compiled
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    return model, model
+
+
+def build_zeropp(
+    cfg: GPTConfig, variant: Variant, ranks_per_node: int, debug: bool, extra: dict[str, Any]
+) -> tuple[nn.Module, nn.Module]:
+    config = zpp.Config(param_dtype=torch.bfloat16, reduce_dtype=variant.reduce_dtype,
+                        ranks_per_node=ranks_per_node, **variant.zpp_options, **extra)
+    model = zpp.shard(GPT(cfg), config)
+    options = {"inductor": False} if debug else None
+    return torch.compile(model, backend="zeropp", options=options), model
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def timed(device: torch.device, run: Callable[[], None]) -> float:
+    """Seconds `run` takes on this rank, GPU work included."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    run()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
+
+
+def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as `intervals`."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def exposed_communication(kernels: Iterable[tuple[str, float, float]]) -> float:
+    """Time during which a NCCL kernel runs and no other kernel does, from (name, start, end)
+    kernel records on one GPU: the union of NCCL intervals minus its overlap with the union of
+    all other (compute, quantization, copy) kernels."""
+    kernels = list(kernels)
+    comm = merged((s, e) for name, s, e in kernels if name.startswith("nccl"))
+    compute = merged((s, e) for name, s, e in kernels if not name.startswith("nccl"))
+    overlap, j = 0.0, 0
+    for start, end in comm:
+        while j < len(compute) and compute[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < end:
+            overlap += min(end, compute[k][1]) - max(start, compute[k][0])
+            k += 1
+    return sum(e - s for s, e in comm) - overlap
+
+
+def profiled_exposed_fraction(run: Callable[[], None]) -> float:
+    """Exposed communication over wall time while `run` executes (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+    return exposed_communication(kernels) / wall_us
+
+
+def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
+    return 6 * n_params + 12 * cfg.layers * cfg.dim * cfg.seq
+
+
+def padded_shard_numel(model: nn.Module, world: int) -> int:
+    """Elements of one rank's shards, each parameter's rows padded to a multiple of the world
+    (how FSDP2 and zeropp both shard dim 0); tied parameters once."""
+    return sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) for p in model.parameters())
+
+
+def gather_reduce_bytes(shard_numel: int, gathers: int, reduce_dtype: torch.dtype, world: int,
+                        ranks_per_node: int) -> tuple[int, int]:
+    """(intra, inter) bytes one rank receives per step from `gathers` bf16 all-gathers and one
+    reduce-scatter in `reduce_dtype` over all ranks, counted as zeropp's ledger counts them:
+    each peer sends this rank one shard's worth per collective."""
+    per_peer = shard_numel * (2 * gathers + torch.empty((), dtype=reduce_dtype).element_size())
+    return (ranks_per_node - 1) * per_peer, (world - ranks_per_node) * per_peer
+
+
+def rank_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------- one variant
+
+
+def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[torch.Tensor, torch.Tensor]],
+                env: dict[str, Any]) -> dict[str, Any]:
+    device, world, ranks_per_node = env["device"], env["world"], env["ranks_per_node"]
+    cfg = GPTConfig(seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers)
+    debug = args.compile_mode == "debug"
+    zpp.REGISTRY.ledger.clear()  # the ledger then holds this variant's graphs only
+    leftover = None
+    if device.type == "cuda":  # what earlier variants left allocated (should be ~0) is reported
+        torch.cuda.reset_peak_memory_stats()
+        leftover = torch.cuda.memory_allocated()
+    torch.manual_seed(args.seed)
+    with device:
+        if variant.system == "fsdp2":
+            step_model, model = build_fsdp2(cfg, variant, env["mesh"], "aot_eager" if debug else "inductor")
+        else:
+            step_model, model = build_zeropp(cfg, variant, ranks_per_node, debug, args.zpp_option)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    step_index = 0
+
+    def train(steps: int) -> None:
+        nonlocal step_index
+        for _ in range(steps):
+            x, y = data[step_index % len(data)]
+            step_model(x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step_index += 1
+
+    warmup_s = timed(device, lambda: train(args.warmup))
+    dist.barrier()
+    seconds = rank_max(timed(device, lambda: train(args.steps)), device) / args.steps
+    exposed = None
+    if device.type == "cuda" and args.profile_steps:
+        exposed = rank_max(profiled_exposed_fraction(lambda: train(args.profile_steps)), device)
+    peak = rank_max(torch.cuda.max_memory_allocated(), device) if device.type == "cuda" else None
+
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens_per_s = world * args.batch * args.seq / seconds
+    result = {
+        "name": variant.name, "label": variant.label, "system": variant.system,
+        "reduce_dtype": str(variant.reduce_dtype).removeprefix("torch."), "keeps_weights": variant.keeps_weights,
+        "ms_per_step": seconds * 1e3, "tokens_per_s": tokens_per_s, "warmup_s": warmup_s,
+        "tflops_per_gpu": flops_per_token(cfg, n_params) * tokens_per_s / world / 1e12,
+        "peak_memory_bytes": peak, "allocated_at_start_bytes": leftover, "exposed_comm_fraction": exposed,
+        "parameters": n_params,
+        **comm_bytes(variant, model, world, ranks_per_node),
+    }
+    del step_model, model, opt
+    release_memory(device)
+    return result
+
+
+def comm_bytes(variant: Variant, model: nn.Module, world: int, ranks_per_node: int) -> dict[str, Any]:
+    """Bytes per step and rank, with their ratios to plain bf16 ZeRO-3 of the same model and topology."""
+    if variant.system == "zeropp":
+        report = zpp.comm_report()
+        if not report.rows and world > 1:
+            raise RuntimeError(f"{variant.name}: the zeropp ledger recorded no training graph")
+        intra, inter, source = report.intra_bytes, report.inter_bytes, "ledger"
+        baseline_intra, baseline_inter = report.baseline_intra_bytes, report.baseline_inter_bytes
+        phases = report.to_dict()["phases"]
+    else:
+        # FSDP2 gathers in bf16 in forward, again in backward unless it keeps the weights, and
+        # reduce-scatters in its reduce dtype; the baseline is plain ZeRO-3 all in bf16.
+        shard_numel = padded_shard_numel(model, world)
+        gathers = 1 if variant.keeps_weights else 2
+        intra, inter = gather_reduce_bytes(shard_numel, gathers, variant.reduce_dtype, world, ranks_per_node)
+        baseline_intra, baseline_inter = gather_reduce_bytes(shard_numel, 2, torch.bfloat16, world, ranks_per_node)
+        source, phases = "analytic", None
+    ratio = lambda value, base: value / base if base else None  # noqa: E731 (no inter-node bytes on one node)
+    return {"intra_bytes": intra, "inter_bytes": inter, "bytes_source": source, "phases": phases,
+            "inter_ratio": ratio(inter, baseline_inter), "total_ratio": ratio(intra + inter, baseline_intra + baseline_inter)}
+
+
+def release_memory(device: torch.device) -> None:
+    """Frees the finished variant's compiled graphs and tensors before the next one is measured."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+def add_comparisons(results: list[dict[str, Any]]) -> None:
+    """Throughput (and memory) ratios to FSDP2's default, to FSDP2's best setting at equal
+    memory, and to zeropp's plain ZeRO-3, each where that reference was run."""
+    by_name = {r["name"]: r for r in results}
+    fsdp2 = [r for r in results if r["system"] == "fsdp2"]
+    for r in results:
+        peers = [f for f in fsdp2 if f["keeps_weights"] <= r["keeps_weights"]]
+        best = max(peers, key=lambda f: f["tokens_per_s"]) if peers else None
+        r["fsdp2_equal_memory"] = best["name"] if best else None
+        for key, ref in (("vs_fsdp2_default", by_name.get("fsdp2")), ("vs_fsdp2_equal_memory", best),
+                         ("vs_zero3", by_name.get("zero3"))):
+            r[key] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+        memory_ref = best["peak_memory_bytes"] if best else None
+        r["memory_vs_fsdp2_equal_memory"] = r["peak_memory_bytes"] / memory_ref if memory_ref else None
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    fmt = lambda v, spec: format("-", f">{spec.split('.')[0]}") if v is None else format(v, spec)  # noqa: E731
+    head = (f"{'variant':<18} {'ms/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'peak GB':>8} {'inter MB':>9} "
+            f"{'src':<8} {'inter x':>7} {'exposed':>7} {'/FSDP2':>7} {'/eq.mem':>7} {'(ref)':<18} {'/ZeRO-3':>7} {'mem x':>6}")
+    lines = [head]
+    for r in results:
+        peak = r["peak_memory_bytes"] / 1e9 if r["peak_memory_bytes"] is not None else None
+        lines.append(
+            f"{r['name']:<18} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>8.1f} "
+            f"{fmt(peak, '8.2f')} {r['inter_bytes'] / 1e6:>9.1f} {r['bytes_source']:<8} {fmt(r['inter_ratio'], '7.3f')} "
+            f"{fmt(r['exposed_comm_fraction'], '7.1%')} {fmt(r['vs_fsdp2_default'], '7.2f')} "
+            f"{fmt(r['vs_fsdp2_equal_memory'], '7.2f')} {r['fsdp2_equal_memory'] or '-':<18} {fmt(r['vs_zero3'], '7.2f')} "
+            f"{fmt(r['memory_vs_fsdp2_equal_memory'], '6.2f')}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], title: str, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no chart written to {path} (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in results]
+    colors = ["tab:gray" if r["system"] == "fsdp2" else "tab:blue" for r in results]
+    panels = [("tokens/s", [r["tokens_per_s"] for r in results]),
+              ("inter-node MB / step / rank", [r["inter_bytes"] / 1e6 for r in results])]
+    if all(r["peak_memory_bytes"] is not None for r in results):  # GPU only
+        panels.append(("peak memory GB", [r["peak_memory_bytes"] / 1e9 for r in results]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
+    for ax, (label, values) in zip(axes, panels):
+        ax.bar(names, values, color=colors)
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=60)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    if args.slow_link:  # NCCL reads these when it creates a communicator, which happens after this
+        os.environ.update(SLOW_LINK_ENV)
+    device = init_distributed()
+    fill_defaults(args, device.type == "cuda")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks_per_node = emulated_ranks_per_node(world, args.ranks_per_node)
+    hpz_size = ranks_per_node if world // ranks_per_node > 1 else 1
+    variants = all_variants(hpz_size, DTYPES[args.zpp_reduce_dtype])
+    env = {"device": device, "world": world, "ranks_per_node": ranks_per_node,
+           "mesh": init_device_mesh(device.type, (world,))}
+
+    text = stdlib_bytes(args.data_bytes)
+    steps = args.warmup + args.steps + (args.profile_steps if device.type == "cuda" else 0)
+    data = [tuple(t.to(device) for t in batch(text, i, rank, world, args.batch, args.seq, args.seed)) for i in range(steps)]
+
+    slow = all(os.environ.get(k) == v for k, v in SLOW_LINK_ENV.items())
+    setup = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "world": world,
+        "ranks_per_node": ranks_per_node, "hpz_partition_size": hpz_size, "backend": dist.get_backend(),
+        "link": "slow (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)" if slow else "default",
+        "torch": torch.__version__, "nccl": str(torch.cuda.nccl.version()) if device.type == "cuda" else None,
+        "model": {"dim": args.dim, "layers": args.layers, "heads": args.heads, "seq": args.seq, "vocab": 256},
+        "batch_per_gpu": args.batch, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "profile_steps": args.profile_steps if device.type == "cuda" else 0, "compile_mode": args.compile_mode,
+        "param_dtype": "bfloat16", "zeropp_reduce_dtype": str(DTYPES[args.zpp_reduce_dtype]).removeprefix("torch."),
+        "flops_per_token": "6 N + 12 L d T (N parameters, L layers, d width, T sequence)",
+    }
+    if rank == 0:
+        print(f"bench: {world} ranks as {world // ranks_per_node} emulated nodes x {ranks_per_node}, {setup['device']}, "
+              f"link {setup['link']}, GPT d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq/GPU", flush=True)
+
+    results = []
+    for name in args.variants.split(","):
+        results.append(run_variant(variants[name], args, data, env))
+        if rank == 0:
+            r = results[-1]
+            print(f"  {name:<18} {r['ms_per_step']:8.1f} ms/step  {r['tokens_per_s']:>10,.0f} tokens/s  "
+                  f"(warmup with compilation {r['warmup_s']:.1f} s)", flush=True)
+    add_comparisons(results)
+    if rank == 0:
+        print(table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"setup": setup, "variants": results}, f, indent=1)
+        if args.png:
+            plot(results, f"{setup['device']} x{world}, link {setup['link']}, GPT d={args.dim} L={args.layers} "
+                          f"T={args.seq}, {args.batch} seq/GPU ({setup['date']})", args.png)
+    dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Bucketing: many parameter gathers (and gradient reductions) become one collective per bucket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .base import PassContext
+from .fx_util import hoist, insert_traced, nodes_calling, sink_users
+
+# Set on a bucket whose members are smaller than one quantization block: the quantizing passes
+# leave it in full precision, as they would leave each member alone.
+FULL_PRECISION = "zpp_full_precision"
+
+
+@dataclass
+class _Bucket:
+    key: tuple
+    members: list[fx.Node] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
+    """Merges consecutive parameter gathers, and consecutive gradient reductions, into buckets
+    of about `bucket_size` bytes: one `zpp.all_gather_param` / `zpp.reduce_grad` per bucket.
+
+    A gather bucket concatenates its members' shards (each padded to its own shard size), gathers
+    them at once and cuts every member's weight out of the gathered rows; a reduction bucket lays
+    its members' gradients side by side per destination rank, so one reduce-scatter hands each
+    rank all of its shards. Buckets are still IR ops, so every later pass (reshard, hpZ, qwZ, qgZ)
+    acts on whole buckets: one quantize kernel, one collective (codes and scales together) and
+    one dequantize kernel per bucket. Where qwZ or qgZ is on, members of at least one block are
+    padded to whole blocks (so each block's scale covers one parameter, exactly as without
+    buckets) and smaller members are bucketed apart, in full precision.
+    """
+    size = ctx.config.bucket_size
+    gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
+    for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config)):
+        _merge_gathers(graph, bucket)
+    reductions = nodes_calling(graph, torch.ops.zpp.reduce_grad.default)
+    for bucket in _buckets(reductions, size, lambda n: _reduce_key(n, ctx.config)):
+        _merge_reductions(graph, bucket)
+
+
+def _gather_key(node: fx.Node, config: Any) -> tuple:
+    shard, shard_size, group_size, group_name, dtype, reduce_dtype, sharding_id = node.args
+    block = config.weight_block_size if config.quantized_weights else 0
+    quantized = bool(block) and shard_size >= block
+    return (shard.meta["val"].dtype, group_size, group_name, dtype, reduce_dtype, sharding_id, quantized, block)
+
+
+def _reduce_key(node: fx.Node, config: Any) -> tuple:
+    grad, shard_numel, group_size, group_name, dtype = node.args
+    block = config.gradient_block_size if config.quantized_gradients else 0
+    quantized = bool(block) and grad.meta["val"].numel() // group_size >= block
+    return (grad.meta["val"].dtype, group_size, group_name, dtype, quantized, block)
+
+
+def _graph_input(node: fx.Node) -> fx.Node:
+    """The node that `node` is a chain of single-input ops of (for a shard: its placeholder)."""
+    while node.op == "call_function" and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta["val"] if node.target is torch.ops.zpp.all_gather_param.default else node.args[0].meta["val"]
+    return value.numel() * value.element_size()
+
+
+def _buckets(nodes: list[fx.Node], size: int, key_of) -> list[_Bucket]:
+    """Groups `nodes` (in graph order) into buckets of equal key and at most `size` bytes each
+    (a node larger than `size` gets a bucket of its own). Buckets of one node are left alone."""
+    done: list[_Bucket] = []
+    open_buckets: dict[tuple, _Bucket] = {}
+    for node in nodes:
+        key, nbytes = key_of(node), _nbytes(node)
+        bucket = open_buckets.get(key)
+        if bucket is not None and bucket.nbytes + nbytes > size:
+            done.append(open_buckets.pop(key))
+            bucket = None
+        if bucket is None:
+            bucket = open_buckets[key] = _Bucket(key)
+        bucket.members.append(node)
+        bucket.nbytes += nbytes
+    done.extend(open_buckets.values())
+    return [b for b in done if len(b.members) > 1]
+
+
+def _padded(size: int, block: int) -> int:
+    return -(-size // block) * block if block else size
+
+
+def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
+    *_, quantized, block = bucket.key
+    first = bucket.members[0]
+    _, _, group_size, group_name, dtype, reduce_dtype, sharding_id = first.args
+    # A parameter used twice in the bucket (tied weights) is gathered once. Each gather reads its
+    # own flat view of the local shard, so they are told apart by the graph input behind it.
+    first_use: dict[tuple, fx.Node] = {}
+    for node in bucket.members:
+        first_use.setdefault(_param_key(node), node)
+    unique = list(first_use.values())
+    sizes = [n.args[1] for n in unique]
+    segments = [_padded(s, block if quantized else 0) for s in sizes]
+
+    def gather_bucket(*shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flat = torch.cat([F.pad(x, (0, seg - x.numel())) for x, seg in zip(shards, segments)])
+        gathered = torch.ops.zpp.all_gather_param(
+            flat, sum(segments), group_size, group_name, dtype, reduce_dtype, sharding_id
+        )
+        rows = gathered.view(group_size, sum(segments))
+        return tuple(piece[:, :size].reshape(-1) for piece, size in zip(rows.split(segments, dim=1), sizes))
+
+    shards = [n.args[0] for n in unique]
+    hoist(shards, first)  # each shard is a view of a graph input, made just before its own gather
+    weights = insert_traced(graph, first, gather_bucket, *shards)
+    _upstream(weights[0], torch.ops.zpp.all_gather_param.default).meta[FULL_PRECISION] = not quantized
+    weight_of = {_param_key(n): w for n, w in zip(unique, weights)}
+    _replace(graph, bucket.members, tuple(weight_of[_param_key(n)] for n in bucket.members))
+
+
+def _param_key(gather: fx.Node) -> tuple:
+    return (_graph_input(gather.args[0]), *gather.args[1:])
+
+
+def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:
+    *_, quantized, block = bucket.key
+    last = bucket.members[-1]
+    _, _, group_size, group_name, dtype = last.args
+    sizes = [n.args[0].meta["val"].numel() // group_size for n in bucket.members]
+    segments = [_padded(s, block if quantized else 0) for s in sizes]
+    shard_numels = [n.args[1] for n in bucket.members]
+
+    def reduce_bucket(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = torch.cat(
+            [F.pad(g.view(group_size, size), (0, seg - size)) for g, size, seg in zip(grads, sizes, segments)], dim=1
+        )
+        shards = torch.ops.zpp.reduce_grad(rows.reshape(-1), sum(segments), group_size, group_name, dtype)
+        return tuple(piece[:numel] for piece, numel in zip(shards.split(segments), shard_numels))
+
+    # Uses of the earlier members' results move past the bucket, which comes after every gradient.
+    sink_users(bucket.members[:-1], last)
+    shards = insert_traced(graph, last, reduce_bucket, *(n.args[0] for n in bucket.members))
+    _upstream(shards[0], torch.ops.zpp.reduce_grad.default).meta[FULL_PRECISION] = not quantized
+    _replace(graph, bucket.members, shards)
+
+
+def _upstream(node: fx.Node, target: Any) -> fx.Node:
+    """The nearest node calling `target` that `node` is computed from."""
+    todo, seen = [node], set()
+    while todo:
+        current = todo.pop(0)
+        if current.target is target:
+            return current
+        seen.add(current)
+        todo.extend(n for n in current.all_input_nodes if n not in seen)
+    raise AssertionError(f"no {target} upstream of {node}")
+
+
+def _replace(graph: fx.Graph, old: list[fx.Node], new: tuple[fx.Node, ...]) -> None:
+    for node, replacement in zip(old, new):
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)

@@ -1,0 +1,131 @@
+"""Overlap scheduling: weight gathers issued ahead of the compute that needs them, gradient
+reductions waited for as late as the memory bound allows."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .base import PassContext
+
+_c10d = torch.ops._c10d_functional
+COLLECTIVES = (
+    _c10d.all_gather_into_tensor.default,
+    _c10d.reduce_scatter_tensor.default,
+    _c10d.all_to_all_single.default,
+)
+WAIT = _c10d.wait_tensor.default
+
+
+def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:
+    """Reorders a lowered graph so that communication runs while the GPU computes.
+
+    A collective waits, on its own stream, for everything the compute stream did before it was
+    issued; its wait makes the compute stream wait for it. So:
+    - weight gathers (computed from shards or hpZ copies, graph inputs) are issued `prefetch` gathers ahead: gather i + prefetch, with the casts and quantization
+      before it, moves to just before the wait of gather i, so it runs during gather i's compute.
+      At most prefetch + 1 gathered buckets are alive at once, the memory bound;
+    - reductions (collectives of computed gradients) start where their gradient is ready; what
+      follows each collective (its wait, the reduction kernels, the next hop) moves to just before
+      the next reduction's first collective, so each hop runs during the next gradients' compute.
+    The reordering is a priority order made valid by a stable topological sort; every rank
+    computes the same order from the same graph, so collectives are issued in the same order.
+    """
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    rank = {node: float(index) for index, node in enumerate(nodes)}
+    collectives = [n for n in nodes if n.target in COLLECTIVES]
+    # zeropp all-gathers only weights (shards, hpZ copies); everything else reduces gradients.
+    gathers = [c for c in collectives if c.target is _c10d.all_gather_into_tensor.default]
+    reductions = [c for c in collectives if c not in gathers]
+    _prefetch_gathers(gathers, ctx.config.prefetch, rank)
+    _defer_reductions(reductions, nodes, rank)
+    _reorder(graph, sorted(nodes, key=rank.__getitem__))
+
+
+def _wait_of(collective: fx.Node) -> fx.Node:
+    return next(u for u in collective.users if u.target is WAIT)
+
+
+def _prefetch_gathers(gathers: list[fx.Node], prefetch: int, rank: dict) -> None:
+    """Gives gather i + prefetch (and what it is computed from) a place just before gather i's wait."""
+    gathers = sorted(gathers, key=lambda c: rank[_wait_of(c)])
+    for early, late in zip(gathers, gathers[prefetch:]):
+        anchor = rank[_wait_of(early)]
+        start = [n for n in _ancestors(late) if n.op != "placeholder"]
+        for offset, node in enumerate(sorted(start, key=rank.__getitem__)):
+            rank[node] = min(rank[node], anchor - 0.5 + offset * 1e-6)
+
+
+def _defer_reductions(reductions: list[fx.Node], nodes: list[fx.Node], rank: dict) -> None:
+    """Moves what follows each reduction's collectives to just before later reductions' first
+    collectives: the k-th segment after a reduction's start (its k-th wait up to its next
+    collective) goes before the k-th reduction after it, or to the end."""
+    first_hops = [c for c in reductions if not any(a in reductions for a in _ancestors(c) if a is not c)]
+    end = float(len(nodes))
+    claimed: set[fx.Node] = set()
+    for index, start in enumerate(first_hops):
+        for k, segment in enumerate(_segments(start, claimed), start=1):
+            later = first_hops[index + k] if index + k < len(first_hops) else None
+            anchor = rank[later] if later is not None else end
+            for offset, node in enumerate(segment):
+                rank[node] = anchor - 0.5 + offset * 1e-6
+
+
+def _segments(start: fx.Node, claimed: set[fx.Node]) -> list[list[fx.Node]]:
+    """The nodes computed from a reduction's first collective, split after each further
+    collective: [[wait, ..., collective 2], [wait 2, ...], ...], in graph order."""
+    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    descendants = sorted(_descendants(start) - {start} - claimed, key=order.__getitem__)
+    descendants = [n for n in descendants if n.op != "output"]
+    claimed.update(descendants)
+    segments: list[list[fx.Node]] = [[]]
+    for node in descendants:
+        segments[-1].append(node)
+        if node.target in COLLECTIVES:
+            segments.append([])
+    return [s for s in segments if s]
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    found, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.add(current)
+            todo.extend(current.all_input_nodes)
+    return found
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    found, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.add(current)
+            todo.extend(current.users)
+    return found
+
+
+def _reorder(graph: fx.Graph, wanted: list[fx.Node]) -> None:
+    """Puts the graph's nodes in the `wanted` order, as far as dependencies allow: a node whose
+    inputs are not placed yet waits until they are (a stable topological sort)."""
+    placed: set[fx.Node] = set()
+    waiting: list[fx.Node] = []
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def place(node: fx.Node) -> None:
+        output.prepend(node)
+        placed.add(node)
+
+    for node in wanted:
+        waiting.append(node)
+        progress = True
+        while progress:
+            progress = False
+            for candidate in list(waiting):
+                if all(a in placed for a in candidate.all_input_nodes):
+                    waiting.remove(candidate)
+                    place(candidate)
+                    progress = True
+                    break
+    assert not waiting, "schedule_overlap: the graph has a cycle"

@@ -1,0 +1,131 @@
+"""examples/bench.py: a CPU smoke run (2 gloo ranks as 2 emulated nodes of 1 rank, tiny GPT,
+debug compile) whose JSON must hold every variant, and whose communication bytes must match what
+the model's shapes imply; plus the exposed-communication interval arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from bench import VARIANT_NAMES, exposed_communication  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+WORLD, DIM, LAYERS, HEADS, SEQ = 2, 64, 2, 2, 32
+BLOCK = 256  # zeropp's default weight_block_size
+
+
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(EXAMPLES / "bench.py"),
+           "--compile-mode", "debug", "--dim", str(DIM), "--layers", str(LAYERS), "--heads", str(HEADS),
+           "--seq", str(SEQ), "--batch", "2", "--steps", "2", "--warmup", "1", "--data-bytes", "200000",
+           "--json", str(out), "--png", str(out.with_suffix(".png"))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert out.with_suffix(".png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def shard_sizes() -> list[int]:
+    """Elements of each parameter's shard (rows padded to a multiple of the world), tied once."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(seq=SEQ, dim=DIM, heads=HEADS, layers=LAYERS))
+    return [math.ceil(p.shape[0] / WORLD) * (p.numel() // p.shape[0]) for p in model.parameters()]
+
+
+def qwz_gather_bytes(s: int) -> int:
+    """Bytes of one qwZ-gathered shard (README): INT8 codes padded to whole blocks plus one
+    float32 scale per block; a shard smaller than a block travels in bf16."""
+    blocks = math.ceil(s / BLOCK)
+    return blocks * BLOCK + 4 * blocks if s >= BLOCK else 2 * s
+
+
+def test_every_variant_ran(bench_json):
+    results = {r["name"]: r for r in bench_json["variants"]}
+    assert tuple(results) == VARIANT_NAMES
+    for r in results.values():
+        assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["ms_per_step"] > 0, r
+        assert r["exposed_comm_fraction"] is None and r["peak_memory_bytes"] is None  # GPU-only figures
+    assert bench_json["setup"]["ranks_per_node"] == 1 and bench_json["setup"]["hpz_partition_size"] == 1
+    # Speed ratios are relative to the reference actually run.
+    assert results["fsdp2"]["vs_fsdp2_default"] == 1 and results["zero3"]["vs_zero3"] == 1
+    assert results["all3"]["fsdp2_equal_memory"] in ("fsdp2", "fsdp2_bf16_reduce", "fsdp2_no_reshard")
+    assert results["qwz"]["fsdp2_equal_memory"] in ("fsdp2", "fsdp2_bf16_reduce")
+
+
+def test_fsdp2_bytes_follow_its_collectives(bench_json):
+    # One peer on the other node; per peer and step: forward gather bf16 (2 B/element), backward
+    # gather bf16 unless the weights are kept, reduce-scatter in the reduce dtype.
+    total = sum(shard_sizes())
+    expected = {"fsdp2": (2 + 2 + 4) * total, "fsdp2_bf16_reduce": 6 * total, "fsdp2_no_reshard": 4 * total}
+    for r in bench_json["variants"]:
+        if r["name"] in expected:
+            assert (r["bytes_source"], r["intra_bytes"], r["inter_bytes"]) == ("analytic", 0, expected[r["name"]])
+            assert r["inter_ratio"] == pytest.approx(expected[r["name"]] / (6 * total))
+
+
+def test_zeropp_ledger_matches_the_shapes(bench_json):
+    results = {r["name"]: r for r in bench_json["variants"]}
+    sizes = shard_sizes()
+    bf16_gather, qwz_gather = 2 * sum(sizes), sum(qwz_gather_bytes(s) for s in sizes)
+    phase = lambda name, which: results[name]["phases"][which]["inter_bytes"]  # noqa: E731
+    forward, backward, gradient = "forward weight gather", "backward weight gather", "gradient reduction"
+    for name in ("zero3", "qwz", "hpz", "qgz", "all3"):
+        assert results[name]["bytes_source"] == "ledger" and results[name]["intra_bytes"] == 0  # 1 rank per node
+    # Forward gathers every parameter once: bf16, or INT8 blocks + scales under qwZ.
+    for name in ("zero3", "hpz", "qgz"):
+        assert phase(name, forward) == bf16_gather
+    assert phase("qwz", forward) == qwz_gather
+    # qwZ with hpZ gathers the tied embedding once per use (the embedding and the head).
+    tied = qwz_gather_bytes(sizes[0])  # embed.weight, first in parameters()
+    assert phase("all3", forward) in (qwz_gather, qwz_gather + tied)
+    # hpZ of 1 rank keeps a full copy: backward gathers nothing across nodes.
+    assert phase("hpz", backward) == phase("all3", backward) == 0
+    assert 0 < phase("zero3", backward) <= bf16_gather and 0 < phase("qwz", backward) <= qwz_gather
+    # qgZ's INT4 all-to-all moves less than a bf16 reduce-scatter.
+    assert phase("qgz", gradient) < phase("zero3", gradient) and phase("all3", gradient) == phase("qgz", gradient)
+
+    # Plain ZeRO-3 against the paper's 3M: Linear weights follow it exactly; embeddings and 1-D
+    # parameters may skip the backward gather (their gradient does not read them) or, when tied,
+    # be reduced once per use: at most one gather and one reduction each, either way.
+    with torch.device("meta"):
+        model = GPT(GPTConfig(seq=SEQ, dim=DIM, heads=HEADS, layers=LAYERS))
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)} - {id(model.embed.weight)}
+    others = sum(s for s, p in zip(sizes, model.parameters()) if id(p) not in linear)
+    assert abs(results["zero3"]["inter_ratio"] - 1) <= (2 + 2) * others / (6 * sum(sizes))
+    for name in ("qwz", "hpz", "qgz"):
+        assert results["all3"]["inter_ratio"] < results[name]["inter_ratio"] < results["zero3"]["inter_ratio"]
+
+
+def brute_force_exposed(kernels: list[tuple[str, int, int]]) -> int:
+    """Unit time steps in which some NCCL kernel runs and no other kernel does."""
+    end = max(e for _, _, e in kernels)
+    busy = lambda t, comm: any(s <= t < e and n.startswith("nccl") == comm for n, s, e in kernels)  # noqa: E731
+    return sum(1 for t in range(end) if busy(t, True) and not busy(t, False))
+
+
+def test_exposed_communication_is_comm_time_not_covered_by_compute():
+    assert exposed_communication([("ncclDevKernel_AllGather", 0, 10), ("gemm", 2, 5), ("gemm", 4, 6)]) == 6
+    assert exposed_communication([("gemm", 0, 10)]) == 0
+    rng = random.Random(0)
+    for _ in range(200):
+        kernels = []
+        for name in itertools.islice(itertools.cycle(["ncclKernel_ReduceScatter", "triton_quant", "gemm"]),
+                                     rng.randint(1, 12)):
+            start = rng.randint(0, 40)
+            kernels.append((name, start, start + rng.randint(1, 15)))
+        assert exposed_communication(kernels) == brute_force_exposed(kernels), kernels

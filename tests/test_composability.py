@@ -1,0 +1,151 @@
+"""zeropp with what training code around it does: gradient accumulation without sync, activation
+checkpointing, changing sequence lengths, and a HuggingFace causal LM.
+
+Covered elsewhere: graph breaks, tied and frozen parameters (test_zero3), no_grad evaluation and
+accumulation with a sync every micro-step (test_hpz).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zpp_compile as zpp
+from distributed import device, run_ranks
+from models import CheckpointedTransformer, TinyTransformer, batches
+from test_zero3 import PER_RANK, train_sharded
+
+MICRO = 4
+
+
+def accumulation_step(model: nn.Module, step_fn, micro_batches, sync_from: int) -> None:
+    """One SGD step over `micro_batches`; backward reduces only from micro-batch `sync_from` on."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for index, (tokens, targets) in enumerate(micro_batches):
+        if sync_from:
+            zpp.set_requires_gradient_sync(model, index >= sync_from)
+        (step_fn(tokens.to(device()), targets.to(device())) / len(micro_batches)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def no_sync_run(rank: int, world_size: int, compiled: bool) -> None:
+    """Two accumulation windows of 4 micro-batches, no sync on the first 3 of each, against the
+    unsharded model accumulating the same global micro-batches."""
+    data = batches(2 * MICRO, world_size, PER_RANK)
+    windows = [data[:MICRO], data[MICRO:]]
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    torch.manual_seed(0)
+    model = zpp.shard(TinyTransformer().to(device()))
+    step_fn = torch.compile(model, backend="zeropp", options={"inductor": False}) if compiled else model
+    for window in windows:
+        accumulation_step(model, step_fn, [(x[mine], y[mine]) for x, y in window], sync_from=MICRO - 1)
+    torch.manual_seed(0)
+    reference = TinyTransformer().to(device())
+    for window in windows:
+        accumulation_step(reference, reference, window, sync_from=0)
+    full = zpp.full_state_dict(model)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    if compiled:
+        backward = [g for g in zpp.REGISTRY.ledger if g.kind == "backward"]
+        # One graph that reduces (with the kept gradients added) and one that reduces nothing.
+        assert sorted(any(c.op != "all_gather" for c in g.collectives) for g in backward) == [False, True], backward
+
+
+def no_sync_runs(rank: int, world_size: int) -> None:
+    no_sync_run(rank, world_size, compiled=False)
+    no_sync_run(rank, world_size, compiled=True)
+
+
+def test_no_sync_accumulation_matches_reference():
+    run_ranks(no_sync_runs, 2)
+
+
+# torch: with DTensor parameters, an RNG-functionalized op (scaled_dot_product_attention) inside a
+# checkpointed region makes AOTAutograd save the DeviceMesh for backward as if it were a tensor
+# (an AssertionError in its runtime wrapper). Plain `backend="aot_eager"` fails the same way on
+# torch 2.13; without SDPA, or without DTensor parameters, it works.
+DEVICE_MESH_SAVED = ("tensors_saved_with_vc_check", "DeviceMesh")
+
+
+@pytest.mark.parametrize("mode", [
+    "eager",
+    pytest.param("aot", marks=pytest.mark.skipif(torch.__version__ >= "2.13", reason="torch 2.13 bug, see comment")),
+])
+def test_activation_checkpointing_matches_reference(mode):
+    try:
+        run_ranks(train_sharded, 2, mode, {}, CheckpointedTransformer)
+    except AssertionError as error:
+        if all(text in str(error) for text in DEVICE_MESH_SAVED):
+            pytest.xfail(f"torch {torch.__version__} saves a DeviceMesh for backward (see comment)")
+        raise
+
+
+def sequence_lengths_run(rank: int, world_size: int) -> int:
+    """Three sequence lengths through one compiled model; returns how many graphs were compiled."""
+    torch.manual_seed(0)
+    model = zpp.shard(TinyTransformer().to(device()))
+    compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
+    start = len(zpp.REGISTRY.ledger)
+    for seq in (5, 7, 9):
+        tokens, targets = (t[rank * PER_RANK:(rank + 1) * PER_RANK, :seq].to(device()) for t in batches(1, world_size)[0])
+        loss = compiled(tokens, targets)
+        loss.backward()
+        grads = [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
+        model.zero_grad()
+        expected = model(tokens, targets)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+        for grad, p in zip(grads, [p for p in model.parameters() if p.grad is not None]):
+            torch.testing.assert_close(grad, p.grad.full_tensor(), rtol=1e-5, atol=1e-6)
+        model.zero_grad()
+    return sum(1 for g in zpp.REGISTRY.ledger[start:] if g.kind == "forward")
+
+
+def test_changing_sequence_length_recompiles_at_most_once():
+    # The second length makes Dynamo mark it dynamic; the third reuses that graph.
+    assert run_ranks(sequence_lengths_run, 2) == [2, 2]
+
+
+def causal_lm_run(rank: int, world_size: int) -> list[float]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+    )
+    batch = batches(1, world_size, PER_RANK, vocab=61)[0][0]
+    data = [(batch, batch)] * 2  # the same batch twice: the loss must drop
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+    def run(model: nn.Module, step_fn, rows: slice) -> list[float]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for tokens, labels in data:
+            loss = step_fn(input_ids=tokens[rows].to(device()), labels=labels[rows].to(device())).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    torch.manual_seed(0)
+    model = zpp.shard(transformers.LlamaForCausalLM(config).to(device()))
+    losses = run(model, torch.compile(model, backend="zeropp", options={"inductor": False}), mine)
+    full = zpp.full_state_dict(model)
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).to(device())
+    expected = run(reference, reference, slice(None))
+    # Each rank's loss is the mean over its tokens (equal counts), so the ranks' mean is the global one.
+    mean = torch.stack(losses)
+    torch.distributed.all_reduce(mean)
+    torch.testing.assert_close(mean / world_size, torch.stack(expected), rtol=1e-5, atol=0)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    return [float(loss) for loss in expected]
+
+
+def test_huggingface_llama_matches_reference():
+    losses = run_ranks(causal_lm_run, 2)[0]
+    assert losses[1] < losses[0]  # it trains

@@ -1,0 +1,148 @@
+"""What `Config.dump_dir` (or ZEROPP_DUMP_DIR, or `zeropp dump`) writes, in `{dump_dir}/rank{r}/`.
+
+Per pass, for each graph it ran on (`{graph}.{stage}.{index}.{pass}.*`):
+- `before.py`, `after.py`: the graph as readable FX code;
+- `summary.json`: nodes added and removed by op, and the collectives before and after, grouped by
+  op, ranks and dtype with their bytes.
+Per compiled graph, after its last pass (`{graph}.*`):
+- `lowered.py`: the graph that is compiled (or run, without Inductor);
+- `comm.json`: its collectives with bytes per link class, the hpZ copy bytes, and the sharded
+  model's size and topology, so that `zeropp report` can compute everything from files alone;
+- `schedule.txt`: the order of compute and communication (Inductor may reorder it further).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .runtime.ledger import CollectiveRecord, GraphComm, collectives_by_node, zeropp_groups
+from .runtime.topology import Topology
+
+
+@dataclass(frozen=True)
+class GraphSnapshot:
+    """A graph as it was before a pass ran: its code, node counts by op, and collectives."""
+
+    code: str
+    ops: Counter
+    collectives: list[dict[str, Any]]
+
+
+def op_name(node: fx.Node) -> str:
+    """'aten.mm.default', 'zpp.quantize_weight.default', ...; placeholders and outputs by kind."""
+    if node.op != "call_function":
+        return node.op
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+class GraphDump:
+    """Writes one rank's dump files."""
+
+    def __init__(self, dump_dir: str, topology: Topology) -> None:
+        self.folder = Path(dump_dir) / f"rank{topology.rank}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.topology = topology
+
+    def snapshot(self, graph: fx.Graph) -> GraphSnapshot:
+        return GraphSnapshot(_code(graph), Counter(op_name(n) for n in graph.nodes), self._collectives(graph))
+
+    def write_pass(self, label: str, before: GraphSnapshot, graph: fx.Graph) -> None:
+        """The files of one pass on one graph; `label` is `{graph}.{stage}.{index}.{pass}`."""
+        after = self.snapshot(graph)
+        graph_name, kind, stage, index, name = label.split(".")
+        summary = {
+            "graph": f"{graph_name}.{kind}", "stage": stage, "index": int(index), "pass": name,
+            "nodes_before": sum(before.ops.values()), "nodes_after": sum(after.ops.values()),
+            "added": dict(sorted((after.ops - before.ops).items())),
+            "removed": dict(sorted((before.ops - after.ops).items())),
+            "collectives_before": before.collectives, "collectives_after": after.collectives,
+        }
+        (self.folder / f"{label}.before.py").write_text(before.code)
+        (self.folder / f"{label}.after.py").write_text(after.code)
+        (self.folder / f"{label}.summary.json").write_text(json.dumps(summary, indent=1))
+
+    def write_graph(self, comm: GraphComm, graph: fx.Graph) -> None:
+        """The files of one compiled graph, once every pass has run."""
+        (self.folder / f"{comm.graph_name}.lowered.py").write_text(_code(graph))
+        (self.folder / f"{comm.graph_name}.comm.json").write_text(json.dumps(comm.to_dict(), indent=1))
+        (self.folder / f"{comm.graph_name}.schedule.txt").write_text(self._schedule(comm.graph_name, graph))
+
+    def _collectives(self, graph: fx.Graph) -> list[dict[str, Any]]:
+        """Collectives grouped by op, ranks and dtype: the functional collectives, and the zpp IR
+        ops that stand for one before lowering (named `zpp.<op>`), counted the same way."""
+        records = [*collectives_by_node(graph, self.topology).values(), *self._ir_collectives(graph)]
+        groups: dict[tuple, dict[str, Any]] = {}
+        for record in records:
+            row = record.to_dict()
+            key = (row["op"], tuple(row["ranks"]), row["dtype"])
+            total = groups.setdefault(key, {**row, "count": 0, "intra_bytes": 0, "inter_bytes": 0})
+            total["count"] += 1
+            total["intra_bytes"] += row["intra_bytes"]
+            total["inter_bytes"] += row["inter_bytes"]
+        return list(groups.values())
+
+    def _ir_collectives(self, graph: fx.Graph) -> list[CollectiveRecord]:
+        topology = self.topology
+        groups = zeropp_groups(topology)
+        zpp = torch.ops.zpp
+        records = []
+        for node in graph.nodes:
+            if node.target is zpp.all_gather_param.default:  # (shard, shard_size, size, group, dtype, ...)
+                op, group_name, dtype = "zpp.all_gather_param", node.args[3], node.args[4]
+                per_peer = node.args[1] * dtype.itemsize
+            elif node.target is zpp.all_gather_flat.default:  # (x, size, group)
+                op, group_name, dtype = "zpp.all_gather_flat", node.args[2], node.args[0].meta["val"].dtype
+                per_peer = node.args[0].meta["val"].nbytes
+            elif node.target is zpp.reduce_grad.default:  # (grad, shard_numel, size, group, dtype)
+                op, group_name, dtype = "zpp.reduce_grad", node.args[3], node.args[4]
+                per_peer = node.args[0].meta["val"].numel() * dtype.itemsize // node.args[2]
+            else:
+                continue
+            group = groups.get(str(group_name))
+            if group is None:
+                continue
+            same, other = topology.peers_by_link(group)
+            records.append(CollectiveRecord(op, group, dtype, same * per_peer, other * per_peer))
+        return records
+
+    def _schedule(self, graph_name: str, graph: fx.Graph) -> str:
+        """One line per collective issued and waited on, one per run of compute between them."""
+        records = collectives_by_node(graph, self.topology)
+        wait = torch.ops._c10d_functional.wait_tensor.default
+        lines = [f"# {graph_name}: graph order of compute and communication (node index: event)"]
+        index = {node: i for i, node in enumerate(graph.nodes)}
+        run: list[int] = []
+
+        def flush() -> None:
+            if run:
+                lines.append(f"{run[0]:>5}-{run[-1]:<5} compute   {len(run)} ops")
+                run.clear()
+
+        for node in graph.nodes:
+            if node in records:
+                flush()
+                r = records[node]
+                dtype = str(r.dtype).removeprefix("torch.")
+                lines.append(f"{index[node]:>5}       issue     {r.op:<14} ranks {list(r.group.ranks)} {dtype} "
+                             f"in {r.intra_bytes:,} B intra + {r.inter_bytes:,} B inter")
+            elif node.op == "call_function" and node.target is wait and node.args[0] in records:
+                flush()
+                lines.append(f"{index[node]:>5}       wait      {records[node.args[0]].op:<14} "
+                             f"issued at {index[node.args[0]]}")
+            elif node.op == "call_function":
+                run.append(index[node])
+        flush()
+        return "\n".join(lines) + "\n"
+
+
+def _code(graph: fx.Graph) -> str:
+    return graph.python_code("self").src

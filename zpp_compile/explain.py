@@ -1,0 +1,157 @@
+"""The communication of one training step, predicted from a Config and a model size alone.
+
+Two accountings, side by side:
+- the paper's (ZeRO++, section 3): each of ZeRO-3's three collectives moves the full model volume
+  M (M = 2N bytes for N parameters in bf16), so plain ZeRO-3 moves 3M; counted is what crosses
+  nodes, scaled by the bytes per element: qwZ's INT8 forward gather 0.5M, hpZ's node-local
+  backward gather 0, qgZ's INT4 inter-node hop 0.25M, so 3M -> 0.75M;
+- the ledger's: the bytes one rank receives from its peers, as `runtime.ledger` counts them in
+  the compiled graphs, with the (n-1)/n factor of every collective, qwZ/qgZ scales and the
+  padding to whole shards and blocks, split into intra- and inter-node. The model is taken as
+  one flat parameter of N elements whose every weight backward re-gathers. A real model differs
+  a little: small parameters are gathered unquantized, each parameter is padded on its own, and
+  a weight backward does not use (the first layer's, when its input needs no gradient; an
+  embedding's) is not re-gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .config import Config, ConfigError
+from .pass_manager import enabled_passes
+from .runtime.grad_quant import piece_bytes
+from .runtime.ledger import PHASES
+from .runtime.weight_quant import packed_weight_bytes
+
+
+@dataclass(frozen=True)
+class PhaseVolume:
+    phase: str
+    technique: str  # the technique acting on it under this config, or "-"
+    paper_m: float  # cross-node volume in units of M, the paper's accounting
+    intra_bytes: int  # per rank per step, as the ledger counts
+    inter_bytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    n_params: int
+    world_size: int
+    ranks_per_node: int
+    phases: tuple[PhaseVolume, ...]
+    baseline: tuple[PhaseVolume, ...]  # plain ZeRO-3 in bf16
+
+    @property
+    def m_bytes(self) -> int:
+        return 2 * self.n_params
+
+    def to_dict(self) -> dict[str, Any]:
+        def total(volumes: tuple[PhaseVolume, ...]) -> dict[str, float]:
+            return {key: sum(getattr(v, key) for v in volumes) for key in ("paper_m", "intra_bytes", "inter_bytes")}
+
+        return {"n_params": self.n_params, "world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
+                "m_bytes": self.m_bytes, "phases": [asdict(v) for v in self.phases],
+                "baseline": [asdict(v) for v in self.baseline],
+                "total": total(self.phases), "baseline_total": total(self.baseline)}
+
+    def table(self) -> str:
+        m = self.m_bytes
+        lines = [
+            f"{'':<24}{'cross-node, paper':^22}  {'per rank per step, as the ledger counts (bytes)':^62}",
+            f"{'phase':<24}{'ZeRO-3':>8} {'this config':>13}  {'ZeRO-3 intra':>15} {'ZeRO-3 inter':>15} "
+            f"{'intra':>15} {'inter':>15}",
+        ]
+        rows = [(b.phase, b, v) for b, v in zip(self.baseline, self.phases)]
+        for name, base, mine in rows:
+            label = f"{mine.paper_m:.2f}M" + (f" ({mine.technique})" if mine.technique != "-" else "")
+            lines.append(f"{name:<24}{base.paper_m:>7.2f}M {label:>13}  {base.intra_bytes:>15,} "
+                         f"{base.inter_bytes:>15,} {mine.intra_bytes:>15,} {mine.inter_bytes:>15,}")
+        base, mine = self.to_dict()["baseline_total"], self.to_dict()["total"]
+        lines.append(f"{'total':<24}{base['paper_m']:>7.2f}M {mine['paper_m']:>12.2f}M  {base['intra_bytes']:>15,} "
+                     f"{base['inter_bytes']:>15,} {mine['intra_bytes']:>15,} {mine['inter_bytes']:>15,}")
+        lines.append(f"{'total in M':<46}  {base['intra_bytes'] / m:>14.3f}M {base['inter_bytes'] / m:>14.3f}M "
+                     f"{mine['intra_bytes'] / m:>14.3f}M {mine['inter_bytes'] / m:>14.3f}M")
+        if self.world_size == self.ranks_per_node:
+            lines.append("one node: nothing crosses nodes, so the paper's cross-node volumes are all 0")
+        lines.append("paper: each collective's full volume (M = 2 bytes x parameters), cross-node only; "
+                     "ledger: what each rank receives, (n-1)/n of each volume, with scales and padding")
+        return "\n".join(lines)
+
+
+def predict(config: Config, n_params: int, world_size: int, ranks_per_node: int,
+            stored_dtype: torch.dtype = torch.float32) -> Prediction:
+    """What `config` moves per training step for a model of `n_params` parameters on
+    `world_size` ranks, `ranks_per_node` per node; nothing runs. `stored_dtype` is the parameters'
+    dtype (what is gathered when Config.param_dtype is None)."""
+    if n_params < 1:
+        raise ConfigError(f"the parameter count must be positive, got {n_params}")
+    config.check_topology(world_size, ranks_per_node)
+    on = {p.name for p in enabled_passes(config)}
+    hpz = "hierarchical_partition" in on
+    # hpZ gathers forward weights itself, quantized when qwZ is asked for (see hierarchical_partition).
+    qwz = config.quantized_weights and ("quantize_weights" in on or hpz)
+    qgz = "quantize_gradients" in on
+    link = _Link(world_size, ranks_per_node)
+    shard = math.ceil(n_params / world_size)
+    param_bytes = (config.param_dtype or stored_dtype).itemsize
+    reduce_bytes = config.reduce_dtype.itemsize
+
+    quantized = qwz and shard >= config.weight_block_size
+    per_peer = packed_weight_bytes(shard, config.weight_block_size) if quantized else shard * param_bytes
+    weight_m = 0.5 if quantized else param_bytes / 2
+    forward = PhaseVolume(PHASES[0], "qwZ" if quantized else "-", link.cross(weight_m), *link.world(per_peer))
+    if hpz:
+        members = config.hpz_partition_size
+        same, other = link.peers_of_first(members)
+        part = world_size * per_peer // members  # the secondary copy: the gathered buffer split over the group
+        backward = PhaseVolume(PHASES[1], "hpZ", weight_m if other else 0.0, same * part, other * part)
+    elif "reshard_after_forward" in on:
+        backward = PhaseVolume(PHASES[1], forward.technique, forward.paper_m, forward.intra_bytes, forward.inter_bytes)
+    else:
+        backward = PhaseVolume(PHASES[1], "-", 0.0, 0, 0)
+    gradient = (_qgz(config, link, shard) if qgz and shard >= config.gradient_block_size
+                else PhaseVolume(PHASES[2], "-", link.cross(reduce_bytes / 2), *link.world(shard * reduce_bytes)))
+
+    plain = PhaseVolume("", "-", link.cross(1.0), *link.world(shard * 2))
+    baseline = tuple(PhaseVolume(phase, "-", plain.paper_m, plain.intra_bytes, plain.inter_bytes) for phase in PHASES)
+    return Prediction(n_params, world_size, ranks_per_node, (forward, backward, gradient), baseline)
+
+
+def _qgz(config: Config, link: _Link, shard: int) -> PhaseVolume:
+    """qgZ's hops, sized as `reduce_grad_quantized` and its kernels size them."""
+    nodes, local, block = link.nodes, link.local, config.gradient_block_size
+    if nodes == 1 or local == 1:  # one hop over all ranks
+        bits = config.intra_node_gradient_bits if nodes == 1 else config.gradient_bits
+        return PhaseVolume(PHASES[2], "qgZ", link.cross(bits / 16), *link.world(piece_bytes(shard, block, bits)))
+    intra_piece = piece_bytes(shard, block, config.intra_node_gradient_bits)
+    inter_piece = piece_bytes(shard, block, config.gradient_bits)
+    intra = (local - 1) * link.world_size * intra_piece // local
+    inter = (nodes - 1) * inter_piece
+    return PhaseVolume(PHASES[2], "qgZ", config.gradient_bits / 16, intra, inter)
+
+
+@dataclass(frozen=True)
+class _Link:
+    world_size: int
+    local: int
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local
+
+    def world(self, per_peer: int) -> tuple[int, int]:
+        """(intra, inter) bytes a rank receives when each other rank sends it `per_peer` bytes."""
+        return (self.local - 1) * per_peer, (self.world_size - self.local) * per_peer
+
+    def peers_of_first(self, members: int) -> tuple[int, int]:
+        """Rank 0's peers in a group of ranks 0..members-1: (on its node, on other nodes)."""
+        same = min(members, self.local) - 1
+        return same, members - 1 - same
+
+    def cross(self, volume_m: float) -> float:
+        return volume_m if self.nodes > 1 else 0.0

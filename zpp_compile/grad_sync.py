@@ -1,0 +1,97 @@
+"""Gradient accumulation without communication: FSDP2's `set_requires_gradient_sync`, for zeropp.
+
+With sync off, every use of a trainable parameter gathers from a detached shard and routes the
+weight through `KeepGradLocal`: backward holds no `zpp::reduce_grad`, and autograd accumulates
+the full, unreduced gradient of each micro-step in a per-parameter sink (in `reduce_dtype`).
+With sync back on, the first use of the parameter routes its weight through `AddPendingGrad`:
+that backward adds the kept gradient to its own and reduces once. Which of these a module's
+attribute read does is decided when it is traced, so Dynamo guards on the flag and keeps one
+graph per setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from .runtime.ops import AddPendingGrad, KeepGradLocal
+from .runtime.registry import REGISTRY
+
+
+class GradAccumulator:
+    """The gradient one trainable parameter keeps on this rank while sync is off."""
+
+    def __init__(self, param: nn.Parameter, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.sync = True
+        # A leaf only for autograd to accumulate into: stride 0, so it allocates one element.
+        self.sink = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=param.device, requires_grad=True)
+        self.pending: torch.Tensor | None = None  # kept gradients the next synced backward adds
+        param.register_post_accumulate_grad_hook(self._reduced)
+
+    def set_sync(self, sync: bool) -> None:
+        kept, self.sink.grad = self.sink.grad, None
+        if sync and kept is not None:
+            self.pending = kept if self.pending is None else self.pending + kept
+        elif kept is not None:  # still off: keep accumulating
+            self.sink.grad = kept
+        self.sync = sync
+
+    def _reduced(self, _param: nn.Parameter) -> None:
+        self.pending = None  # the synced backward has reduced it into the shard's .grad
+
+
+def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>`, gathered, with its gradient reduced, kept, or added to the kept one."""
+    layout, shard = module._zpp_layouts[name], module._parameters[name]
+    entry = module._zpp_accumulators.get(name)
+    if entry is None:
+        return layout.gather(shard)
+    accumulator, first_use = entry
+    if not accumulator.sync:
+        return KeepGradLocal.apply(layout.gather(shard.detach()), accumulator.sink)
+    if first_use and accumulator.pending is not None:  # tied weights: added at one use only
+        return AddPendingGrad.apply(layout.gather(shard), accumulator.pending)
+    return layout.gather(shard)
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Whether backward reduces gradients (True, the default) or keeps them on this rank.
+
+    As FSDP2's method of the same name: with False, each backward adds every trainable
+    parameter's full gradient (unreduced, in `Config.reduce_dtype`) to a buffer on this rank and
+    communicates nothing; the next backward with True adds the buffer to its own gradient and
+    reduces once. Costs one full-size gradient buffer per trainable parameter while off.
+    """
+    if not isinstance(requires_gradient_sync, bool):
+        raise TypeError(f"requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
+    if not isinstance(model, nn.Module) or model not in REGISTRY.models:
+        raise ValueError("set_requires_gradient_sync needs a model sharded by zpp_compile.shard")
+    accumulators: dict[int, GradAccumulator] = {}
+    for module in model.modules():
+        layouts = getattr(module, "_zpp_layouts", {})
+        for name, layout in layouts.items():
+            param = module._parameters[name]
+            if not param.requires_grad:
+                continue
+            entry = module._zpp_accumulators.get(name)
+            if entry is None:
+                first_use = id(param) not in accumulators
+                if first_use:
+                    accumulators[id(param)] = GradAccumulator(param, layout.shape, layout.reduce_dtype)
+                entry = module._zpp_accumulators[name] = (accumulators[id(param)], first_use)
+            accumulators.setdefault(id(param), entry[0])
+    for accumulator in accumulators.values():
+        accumulator.set_sync(requires_gradient_sync)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside keep their gradients on this rank; the first one after reduces all."""
+    set_requires_gradient_sync(model, False)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(model, True)
