@@ -25,17 +25,17 @@ class _Bucket:
 
 
 def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
-    """Merges consecutive parameter gathers, and consecutive gradient reductions, into buckets
-    of about `bucket_size` bytes: one `zpp.all_gather_param` / `zpp.reduce_grad` per bucket.
+    """Merges consecutive gathers, and consecutive reductions, into one per `bucket_size` bytes.
 
-    A gather bucket concatenates its members' shards (each padded to its own shard size), gathers
+    Each bucket becomes one `zpp.all_gather_param` or one `zpp.reduce_grad`. A gather bucket concatenates its members' shards (each padded to its own shard size), gathers
     them at once and cuts every member's weight out of the gathered rows; a reduction bucket lays
     its members' gradients side by side per destination rank, so one reduce-scatter hands each
     rank all of its shards. Buckets are still IR ops, so every later pass (reshard, hpZ, qwZ, qgZ)
     acts on whole buckets: one quantize kernel, one collective (codes and scales together) and
     one dequantize kernel per bucket. Where qwZ or qgZ is on, members of at least one block are
     padded to whole blocks (so each block's scale covers one parameter, exactly as without
-    buckets) and smaller members are bucketed apart, in full precision.
+    buckets) and smaller members are bucketed apart, in full precision. A parameter gathered twice
+    in one bucket (tied weights) is gathered once.
     """
     size = ctx.config.bucket_size
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)

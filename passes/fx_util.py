@@ -102,11 +102,6 @@ def hoist(nodes: list[fx.Node], anchor: fx.Node) -> None:
 def sink_users(nodes: list[fx.Node], anchor: fx.Node) -> None:
     """Moves every node that comes before `anchor` and is computed from one of `nodes` (directly
     or not) to just after it, keeping their order: the mirror of `hoist`."""
-    later: set[fx.Node] = set()
-    for node in reversed(anchor.graph.nodes):
-        if node is anchor:
-            break
-        later.add(node)
     found = set(nodes)
     moving = []
     for node in anchor.graph.nodes:
@@ -117,3 +112,23 @@ def sink_users(nodes: list[fx.Node], anchor: fx.Node) -> None:
             moving.append(node)
     for node in reversed(moving):
         anchor.append(node)
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
+    return _closure(node, lambda n: n.all_input_nodes)
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node computed from it."""
+    return _closure(node, lambda n: n.users)
+
+
+def _closure(node: fx.Node, step: Callable[[fx.Node], Any]) -> set[fx.Node]:
+    found, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.add(current)
+            todo.extend(step(current))
+    return found

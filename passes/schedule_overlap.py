@@ -1,5 +1,5 @@
 """Overlap scheduling: weight gathers issued ahead of the compute that needs them, gradient
-reductions waited for as late as the memory bound allows."""
+reductions waited for only when the next one starts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from .base import PassContext
+from .fx_util import ancestors, descendants
 
 _c10d = torch.ops._c10d_functional
 COLLECTIVES = (
@@ -22,9 +23,10 @@ def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:
 
     A collective waits, on its own stream, for everything the compute stream did before it was
     issued; its wait makes the compute stream wait for it. So:
-    - weight gathers (computed from shards or hpZ copies, graph inputs) are issued `prefetch` gathers ahead: gather i + prefetch, with the casts and quantization
-      before it, moves to just before the wait of gather i, so it runs during gather i's compute.
-      At most prefetch + 1 gathered buckets are alive at once, the memory bound;
+    - weight gathers (of shards or hpZ copies, which are graph inputs) are issued `prefetch`
+      gathers ahead: gather i + prefetch, with the casts and quantization before it, moves to just
+      before the wait of gather i, so it runs during gather i's compute. At most prefetch + 1
+      gathered buckets are alive at once: the memory bound;
     - reductions (collectives of computed gradients) start where their gradient is ready; what
       follows each collective (its wait, the reduction kernels, the next hop) moves to just before
       the next reduction's first collective, so each hop runs during the next gradients' compute.
@@ -51,7 +53,7 @@ def _prefetch_gathers(gathers: list[fx.Node], prefetch: int, rank: dict) -> None
     gathers = sorted(gathers, key=lambda c: rank[_wait_of(c)])
     for early, late in zip(gathers, gathers[prefetch:]):
         anchor = rank[_wait_of(early)]
-        start = [n for n in _ancestors(late) if n.op != "placeholder"]
+        start = [n for n in ancestors(late) if n.op != "placeholder"]
         for offset, node in enumerate(sorted(start, key=rank.__getitem__)):
             rank[node] = min(rank[node], anchor - 0.5 + offset * 1e-6)
 
@@ -60,7 +62,7 @@ def _defer_reductions(reductions: list[fx.Node], nodes: list[fx.Node], rank: dic
     """Moves what follows each reduction's collectives to just before later reductions' first
     collectives: the k-th segment after a reduction's start (its k-th wait up to its next
     collective) goes before the k-th reduction after it, or to the end."""
-    first_hops = [c for c in reductions if not any(a in reductions for a in _ancestors(c) if a is not c)]
+    first_hops = [c for c in reductions if not any(a in reductions for a in ancestors(c) if a is not c)]
     end = float(len(nodes))
     claimed: set[fx.Node] = set()
     for index, start in enumerate(first_hops):
@@ -75,35 +77,15 @@ def _segments(start: fx.Node, claimed: set[fx.Node]) -> list[list[fx.Node]]:
     """The nodes computed from a reduction's first collective, split after each further
     collective: [[wait, ..., collective 2], [wait 2, ...], ...], in graph order."""
     order = {n: i for i, n in enumerate(start.graph.nodes)}
-    descendants = sorted(_descendants(start) - {start} - claimed, key=order.__getitem__)
-    descendants = [n for n in descendants if n.op != "output"]
-    claimed.update(descendants)
+    after = sorted(descendants(start) - {start} - claimed, key=order.__getitem__)
+    after = [n for n in after if n.op != "output"]
+    claimed.update(after)
     segments: list[list[fx.Node]] = [[]]
-    for node in descendants:
+    for node in after:
         segments[-1].append(node)
         if node.target in COLLECTIVES:
             segments.append([])
     return [s for s in segments if s]
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found, todo = set(), [node]
-    while todo:
-        current = todo.pop()
-        if current not in found:
-            found.add(current)
-            todo.extend(current.all_input_nodes)
-    return found
-
-
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    found, todo = set(), [node]
-    while todo:
-        current = todo.pop()
-        if current not in found:
-            found.add(current)
-            todo.extend(current.users)
-    return found
 
 
 def _reorder(graph: fx.Graph, wanted: list[fx.Node]) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import pytest
 import torch
 import torch.fx as fx
 
 import zpp_compile as zpp
 from zpp_compile import pass_manager
+from zpp_compile.passes.fx_util import ancestors
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 from test_zero3 import PER_RANK, STEPS, train, train_sharded
@@ -19,10 +19,9 @@ ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_
              "quantized_gradients": True, "gradient_block_size": 32, "ranks_per_node": 1}
 
 
-@pytest.mark.parametrize("bucket_size", [4096, 1 << 20])
-def test_bucketed_training_matches_reference(bucket_size):
-    # 4 KiB: several buckets per layer; 1 MiB: the whole model in one bucket per direction.
-    run_ranks(train_sharded, 2, "aot", {"bucket_size": bucket_size})
+def test_bucketed_training_matches_reference():
+    # Several buckets per layer (the other tests run with the default size: one bucket per direction).
+    run_ranks(train_sharded, 2, "aot", {"bucket_size": 4096})
 
 
 def final_state(rank: int, world_size: int, options: dict, layers: int = 2) -> tuple[dict, list]:
@@ -99,19 +98,9 @@ def live_gathers(graph: fx.Graph) -> int:
     return max(sum(start <= i <= end for start, end in intervals) for i in range(len(order)))
 
 
-def ancestors(node: fx.Node) -> set[fx.Node]:
-    found, todo = set(), [node]
-    while todo:
-        current = todo.pop()
-        if current not in found:
-            found.add(current)
-            todo.extend(current.all_input_nodes)
-    return found
-
-
-def scheduled_graphs(rank: int, world_size: int, options: dict) -> list[int]:
-    """Trains a 6-layer model and returns, for its forward and backward graph, the most gathered
-    buckets alive at once, in the graphs as finally lowered."""
+def scheduled_graphs(rank: int, world_size: int, configs: list[dict]) -> list[list[int]]:
+    """Trains a 6-layer model under each config and returns, for its forward and backward graph,
+    the most gathered buckets alive at once, in the graphs as finally lowered."""
     captured: list[fx.Graph] = []
 
     def capture(graph: fx.Graph, ctx) -> None:
@@ -123,40 +112,46 @@ def scheduled_graphs(rank: int, world_size: int, options: dict) -> list[int]:
     original = passes[index].run
     passes[index] = dataclasses.replace(passes[index], run=capture)
     pass_manager.PASSES = tuple(passes)  # this rank's process only
-    final_state(rank, world_size, options, layers=6)
-    return [live_gathers(g) for g in captured]
+    alive = []
+    for options in configs:
+        captured.clear()
+        torch._dynamo.reset()
+        final_state(rank, world_size, options, layers=6)
+        alive.append([live_gathers(g) for g in captured])
+    return alive
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_prefetch_respects_the_memory_bound(prefetch):
-    options = {"bucket_size": 30_000, "prefetch": prefetch}  # about one layer per bucket
-    for alive in run_ranks(scheduled_graphs, 2, options):
+def test_prefetch_respects_the_memory_bound():
+    options = {"bucket_size": 30_000}  # about one layer per bucket
+    configs = [{**options, "prefetch": 1}, {**options, "prefetch": 2}, {**options, "disable_passes": ["schedule_overlap"]}]
+    for one, two, unscheduled in run_ranks(scheduled_graphs, 2, configs):
         # forward and backward: prefetch + 1 buckets at most, and the prefetch did happen
-        assert alive == [prefetch + 1, prefetch + 1], alive
-    # The check can fail: without the schedule, each gather is used before the next is issued.
-    unscheduled = run_ranks(scheduled_graphs, 2, {**options, "disable_passes": ["schedule_overlap"]})[0]
-    assert unscheduled == [1, 1]
+        assert one == [2, 2] and two == [3, 3], (one, two)
+        # The check can fail: without the schedule, each gather is used before the next is issued.
+        assert unscheduled == [1, 1]
 
 
-def generated_issue_order(rank: int, world_size: int, options: dict) -> list[list[tuple[str, str]]]:
-    """(call, buffer) for each collective and wait, in order, in the code Inductor generates for
-    one training step (forward, then backward)."""
+def generated_issue_order(rank: int, world_size: int, configs: list[dict]) -> list[list[list[tuple[str, str]]]]:
+    """Per config, (call, buffer) for each collective, wait and matrix product, in order, in the
+    code Inductor generates for one training step (forward, then backward)."""
     from torch._inductor.utils import run_and_get_code
 
-    torch.manual_seed(0)
-    model = zpp.shard(TinyTransformer(layers=4).to(device()), zpp.Config(**options))
-    step_fn = torch.compile(model, backend="zeropp")
-    tokens, targets = batches(1, world_size, PER_RANK)[0]
-
-    def step() -> None:
-        step_fn(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device())).backward()
-
-    _, codes = run_and_get_code(step)
     call = re.compile(
         r"(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default\(|_c10d_functional\.(wait_tensor)\.default\((\w+)\)"
         r"|extern_kernels\.(b?mm|addmm)\("
     )
-    return [[(m[2] or m[3] or "matmul", m[1] or m[4] or "") for m in call.finditer(code)] for code in codes]
+    tokens, targets = batches(1, world_size, PER_RANK)[0]
+    orders = []
+    for options in configs:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = zpp.shard(TinyTransformer(layers=3).to(device()), zpp.Config(**options))
+        step_fn = torch.compile(model, backend="zeropp")
+        _, codes = run_and_get_code(
+            lambda: step_fn(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device())).backward()
+        )
+        orders.append([[(m[2] or m[3] or "matmul", m[1] or m[4] or "") for m in call.finditer(c)] for c in codes])
+    return orders
 
 
 def issued_ahead(events: list[tuple[str, str]], op: str) -> bool:
@@ -176,10 +171,13 @@ def overlapped_by_matmuls(events: list[tuple[str, str]], op: str) -> bool:
 
 def test_inductor_keeps_the_schedule():
     options = {"bucket_size": 30_000}
-    forward, backward = run_ranks(generated_issue_order, 2, options)[0]
+    scheduled, unscheduled = run_ranks(
+        generated_issue_order, 2, [options, {**options, "disable_passes": ["schedule_overlap"]}]
+    )[0]
     gather, reduce = "all_gather_into_tensor", "reduce_scatter_tensor"
+    forward, backward = scheduled
     assert issued_ahead(forward, gather) and issued_ahead(backward, gather)
     assert overlapped_by_matmuls(backward, reduce)
     # The check can fail: unscheduled, each collective is waited for before the next is issued.
-    forward, backward = run_ranks(generated_issue_order, 2, {**options, "disable_passes": ["schedule_overlap"]})[0]
+    forward, backward = unscheduled
     assert not issued_ahead(forward, gather) and not overlapped_by_matmuls(backward, reduce)
