@@ -3,6 +3,8 @@ reductions waited for only when the next one starts."""
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 import torch.fx as fx
 
@@ -41,7 +43,7 @@ def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:
     reductions = [c for c in collectives if c not in gathers]
     _prefetch_gathers(gathers, ctx.config.prefetch, rank)
     _defer_reductions(reductions, nodes, rank)
-    _reorder(graph, sorted(nodes, key=rank.__getitem__))
+    _reorder(graph, rank)
 
 
 def _wait_of(collective: fx.Node) -> fx.Node:
@@ -62,23 +64,22 @@ def _defer_reductions(reductions: list[fx.Node], nodes: list[fx.Node], rank: dic
     """Moves what follows each reduction's collectives to just before later reductions' first
     collectives: the k-th segment after a reduction's start (its k-th wait up to its next
     collective) goes before the k-th reduction after it, or to the end."""
-    first_hops = [c for c in reductions if not any(a in reductions for a in ancestors(c) if a is not c)]
-    end = float(len(nodes))
+    order = {node: index for index, node in enumerate(nodes)}
+    others = set(reductions)
+    first_hops = [c for c in reductions if not (ancestors(c) - {c}) & others]
     claimed: set[fx.Node] = set()
     for index, start in enumerate(first_hops):
-        for k, segment in enumerate(_segments(start, claimed), start=1):
+        for k, segment in enumerate(_segments(start, order, claimed), start=1):
             later = first_hops[index + k] if index + k < len(first_hops) else None
-            anchor = rank[later] if later is not None else end
+            anchor = rank[later] if later is not None else float(len(nodes))
             for offset, node in enumerate(segment):
                 rank[node] = anchor - 0.5 + offset * 1e-6
 
 
-def _segments(start: fx.Node, claimed: set[fx.Node]) -> list[list[fx.Node]]:
+def _segments(start: fx.Node, order: dict[fx.Node, int], claimed: set[fx.Node]) -> list[list[fx.Node]]:
     """The nodes computed from a reduction's first collective, split after each further
     collective: [[wait, ..., collective 2], [wait 2, ...], ...], in graph order."""
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
-    after = sorted(descendants(start) - {start} - claimed, key=order.__getitem__)
-    after = [n for n in after if n.op != "output"]
+    after = sorted((n for n in descendants(start) - {start} - claimed if n in order), key=order.__getitem__)
     claimed.update(after)
     segments: list[list[fx.Node]] = [[]]
     for node in after:
@@ -88,26 +89,22 @@ def _segments(start: fx.Node, claimed: set[fx.Node]) -> list[list[fx.Node]]:
     return [s for s in segments if s]
 
 
-def _reorder(graph: fx.Graph, wanted: list[fx.Node]) -> None:
-    """Puts the graph's nodes in the `wanted` order, as far as dependencies allow: a node whose
-    inputs are not placed yet waits until they are (a stable topological sort)."""
-    placed: set[fx.Node] = set()
-    waiting: list[fx.Node] = []
+def _reorder(graph: fx.Graph, rank: dict[fx.Node, float]) -> None:
+    """Puts the graph's nodes in order of `rank` as far as dependencies allow: a topological sort
+    that always places the ready node of lowest rank."""
+    missing = {node: len(node.all_input_nodes) for node in rank}
+    index = {node: i for i, node in enumerate(rank)}  # breaks ties, and keeps nodes uncompared
+    ready = [(rank[node], index[node], node) for node in rank if not missing[node]]
+    heapq.heapify(ready)
     output = next(n for n in graph.nodes if n.op == "output")
-
-    def place(node: fx.Node) -> None:
+    placed = 0
+    while ready:
+        _, _, node = heapq.heappop(ready)
         output.prepend(node)
-        placed.add(node)
-
-    for node in wanted:
-        waiting.append(node)
-        progress = True
-        while progress:
-            progress = False
-            for candidate in list(waiting):
-                if all(a in placed for a in candidate.all_input_nodes):
-                    waiting.remove(candidate)
-                    place(candidate)
-                    progress = True
-                    break
-    assert not waiting, "schedule_overlap: the graph has a cycle"
+        placed += 1
+        for user in node.users:
+            if user in missing:
+                missing[user] -= 1
+                if not missing[user]:
+                    heapq.heappush(ready, (rank[user], index[user], user))
+    assert placed == len(rank), "schedule_overlap: the graph has a cycle"

@@ -74,14 +74,6 @@ class GraphComm:
     secondary_bytes: int = 0  # hpZ copies this (forward) graph keeps for backward
     model: ShardedModel | None = None  # the sharded model whose parameters it gathers
 
-    @property
-    def intra_bytes(self) -> int:
-        return sum(c.intra_bytes for c in self.collectives)
-
-    @property
-    def inter_bytes(self) -> int:
-        return sum(c.inter_bytes for c in self.collectives)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, for a dump; `from_dict` reads it back."""
         return {"graph": self.graph_name, "kind": self.kind, "secondary_bytes": self.secondary_bytes,
@@ -127,12 +119,6 @@ def training_graphs(graphs: list[GraphComm]) -> list[GraphComm]:
     inference-only graphs of, say, evaluation): what one training step runs."""
     trained = {g.graph_name.split(".")[0] for g in graphs if g.kind == "backward"}
     return [g for g in graphs if g.graph_name.split(".")[0] in trained]
-
-
-def training_step_bytes(graphs: list[GraphComm]) -> tuple[int, int]:
-    """(intra, inter) bytes one training step moves."""
-    chosen = training_graphs(graphs)
-    return sum(g.intra_bytes for g in chosen), sum(g.inter_bytes for g in chosen)
 
 
 # ------------------------------------------------------------------------------ the report

@@ -5,7 +5,7 @@
 """
 
 from .config import Config, ConfigError
-from .runtime.ledger import CommReport, training_graphs, training_step_bytes
+from .runtime.ledger import CommReport
 from .runtime.registry import REGISTRY
 from .grad_sync import no_sync, set_requires_gradient_sync
 from .sharding import full_state_dict, shard
@@ -14,12 +14,13 @@ from .sharding import full_state_dict, shard
 def step_comm_bytes() -> tuple[int, int]:
     """(intra-node, inter-node) bytes this rank receives per training step, read from the
     compiled graphs (nothing is measured at run time)."""
-    return training_step_bytes(REGISTRY.ledger)
+    report = comm_report()
+    return report.intra_bytes, report.inter_bytes
 
 
 def secondary_copy_bytes() -> int:
     """Bytes of hpZ secondary copies this rank holds from forward to backward, per step."""
-    return sum(g.secondary_bytes for g in training_graphs(REGISTRY.ledger))
+    return comm_report().secondary_bytes
 
 
 def comm_report() -> CommReport:
