@@ -14,6 +14,9 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+# Node metadata set on a bucket of parameters smaller than one quantization block: the quantizing
+# passes leave it in full precision, as they leave each such parameter on its own.
+FULL_PRECISION = "zpp_full_precision"
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .base import PassContext
+from .base import FULL_PRECISION, PassContext
 from .fx_util import hoist, insert_traced, nodes_calling, sink_users
-
-# Set on a bucket whose members are smaller than one quantization block: the quantizing passes
-# leave it in full precision, as they would leave each member alone.
-FULL_PRECISION = "zpp_full_precision"
+from .quantize_gradients import gradient_block_size
+from .quantize_weights import weight_block_size
 
 
 @dataclass
@@ -47,17 +45,16 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
 
 
 def _gather_key(node: fx.Node, config: Any) -> tuple:
-    shard, shard_size, group_size, group_name, dtype, reduce_dtype, sharding_id = node.args
-    block = config.weight_block_size if config.quantized_weights else 0
-    quantized = bool(block) and shard_size >= block
-    return (shard.meta["val"].dtype, group_size, group_name, dtype, reduce_dtype, sharding_id, quantized, block)
+    """What members of one bucket share; the last item is the qwZ block size (0: unquantized)."""
+    shard, _, group_size, group_name, dtype, reduce_dtype, sharding_id = node.args
+    return (shard.meta["val"].dtype, group_size, group_name, dtype, reduce_dtype, sharding_id,
+            weight_block_size(config, node))
 
 
 def _reduce_key(node: fx.Node, config: Any) -> tuple:
-    grad, shard_numel, group_size, group_name, dtype = node.args
-    block = config.gradient_block_size if config.quantized_gradients else 0
-    quantized = bool(block) and grad.meta["val"].numel() // group_size >= block
-    return (grad.meta["val"].dtype, group_size, group_name, dtype, quantized, block)
+    """What members of one bucket share; the last item is the qgZ block size (0: unquantized)."""
+    grad, _, group_size, group_name, dtype = node.args
+    return (grad.meta["val"].dtype, group_size, group_name, dtype, gradient_block_size(config, node))
 
 
 def _graph_input(node: fx.Node) -> fx.Node:
@@ -96,7 +93,7 @@ def _padded(size: int, block: int) -> int:
 
 
 def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
-    *_, quantized, block = bucket.key
+    *_, block = bucket.key
     first = bucket.members[0]
     _, _, group_size, group_name, dtype, reduce_dtype, sharding_id = first.args
     # A parameter used twice in the bucket (tied weights) is gathered once. Each gather reads its
@@ -106,7 +103,7 @@ def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
         first_use.setdefault(_param_key(node), node)
     unique = list(first_use.values())
     sizes = [n.args[1] for n in unique]
-    segments = [_padded(s, block if quantized else 0) for s in sizes]
+    segments = [_padded(s, block) for s in sizes]
 
     def gather_bucket(*shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flat = torch.cat([F.pad(x, (0, seg - x.numel())) for x, seg in zip(shards, segments)])
@@ -119,7 +116,7 @@ def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
     shards = [n.args[0] for n in unique]
     hoist(shards, first)  # each shard is a view of a graph input, made just before its own gather
     weights = insert_traced(graph, first, gather_bucket, *shards)
-    _upstream(weights[0], torch.ops.zpp.all_gather_param.default).meta[FULL_PRECISION] = not quantized
+    _upstream(weights[0], torch.ops.zpp.all_gather_param.default).meta[FULL_PRECISION] = not block
     weight_of = {_param_key(n): w for n, w in zip(unique, weights)}
     _replace(graph, bucket.members, tuple(weight_of[_param_key(n)] for n in bucket.members))
 
@@ -129,11 +126,11 @@ def _param_key(gather: fx.Node) -> tuple:
 
 
 def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:
-    *_, quantized, block = bucket.key
+    *_, block = bucket.key
     last = bucket.members[-1]
     _, _, group_size, group_name, dtype = last.args
     sizes = [n.args[0].meta["val"].numel() // group_size for n in bucket.members]
-    segments = [_padded(s, block if quantized else 0) for s in sizes]
+    segments = [_padded(s, block) for s in sizes]
     shard_numels = [n.args[1] for n in bucket.members]
 
     def reduce_bucket(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -146,7 +143,7 @@ def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:
     # Uses of the earlier members' results move past the bucket, which comes after every gradient.
     sink_users(bucket.members[:-1], last)
     shards = insert_traced(graph, last, reduce_bucket, *(n.args[0] for n in bucket.members))
-    _upstream(shards[0], torch.ops.zpp.reduce_grad.default).meta[FULL_PRECISION] = not quantized
+    _upstream(shards[0], torch.ops.zpp.reduce_grad.default).meta[FULL_PRECISION] = not block
     _replace(graph, bucket.members, shards)
 
 

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
 from ..runtime.ops import reduce_grad_quantized
-from .base import PassContext
-from .bucket_collectives import FULL_PRECISION
+from .base import FULL_PRECISION, PassContext
 from .fx_util import nodes_calling, replace_with_traced
+
+
+def gradient_block_size(config: Any, reduction: fx.Node) -> int:
+    """The qgZ block size for a gradient reduction; 0 means reduce it in full precision (qgZ off,
+    a shard smaller than one block, whose scales would outweigh the saving, or a bucket of such)."""
+    grad, _, group_size, *_ = reduction.args
+    block = config.gradient_block_size
+    shard_numel = grad.meta["val"].numel() // group_size
+    wanted = config.quantized_gradients and shard_numel >= block and not reduction.meta.get(FULL_PRECISION)
+    return block if wanted else 0
 
 
 def quantize_gradients(graph: fx.Graph, ctx: PassContext) -> None:
@@ -24,11 +35,10 @@ def quantize_gradients(graph: fx.Graph, ctx: PassContext) -> None:
     """
     config, topology = ctx.config, ctx.topology
     for node in nodes_calling(graph, torch.ops.zpp.reduce_grad.default):
-        grad, shard_numel, group_size, _, dtype = node.args
-        if grad.meta["val"].numel() // group_size < config.gradient_block_size or node.meta.get(FULL_PRECISION):
-            continue
-        replace_with_traced(
-            graph, node, reduce_grad_quantized, grad, shard_numel, dtype, topology.num_nodes,
-            topology.ranks_per_node, topology.intra_node.name, topology.inter_node.name,
-            config.intra_node_gradient_bits, config.gradient_bits, config.gradient_block_size,
-        )
+        grad, shard_numel, _, _, dtype = node.args
+        if block := gradient_block_size(config, node):
+            replace_with_traced(
+                graph, node, reduce_grad_quantized, grad, shard_numel, dtype, topology.num_nodes,
+                topology.ranks_per_node, topology.intra_node.name, topology.inter_node.name,
+                config.intra_node_gradient_bits, config.gradient_bits, block,
+            )

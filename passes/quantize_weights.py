@@ -8,8 +8,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime.ops import gather_param_quantized
-from .base import PassContext
-from .bucket_collectives import FULL_PRECISION
+from .base import FULL_PRECISION, PassContext
 from .fx_util import nodes_calling, replace_with_traced
 
 
