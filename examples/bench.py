@@ -31,12 +31,15 @@ reshard keeps at least as much as hpZ does). A step is forward + backward + Adam
                      them); "inter x" is that over plain ZeRO-3 in bf16 (3 gathers' worth)
     exposed comm     (GPU) share of step time in which a NCCL kernel runs and no other kernel
                      does, from a torch.profiler trace of --profile-steps steps
+    host ms/step     the time the host takes to issue a step; close to ms/step when the host,
+                     not the GPU, sets the pace (--trace-dir keeps the traces to see where)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import math
 import os
@@ -110,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="timed steps per variant (default 10 on GPUs, 2 on CPU)")
     p.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3, 1 on CPU)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for exposed communication (GPU; 0: off)")
+    p.add_argument("--trace-dir", help="keep each variant's profiler trace (host and GPU) and op table here (GPU)")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
     p.add_argument("--zpp-reduce-dtype", choices=sorted(DTYPES), default="bf16", help="zeropp's gradient reduce dtype")
     p.add_argument("--slow-link", action="store_true",
@@ -172,18 +176,21 @@ def build_zeropp(
 # ----------------------------------------------------------------------------- measuring
 
 
-def timed(device: torch.device, run: Callable[[], None]) -> float:
-    """Seconds `run` takes on this rank, GPU work included."""
+def timed(device: torch.device, run: Callable[[], None]) -> tuple[float, float]:
+    """(seconds `run` takes on this rank with its GPU work, seconds the host takes to issue it).
+    When the two are close, the host, not the GPU, sets the pace."""
+    start = time.perf_counter()
     if device.type != "cuda":
-        start = time.perf_counter()
         run()
-        return time.perf_counter() - start
+        host = time.perf_counter() - start
+        return host, host
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     run()
     end.record()
+    host = time.perf_counter() - start
     end.synchronize()
-    return begin.elapsed_time(end) / 1e3
+    return begin.elapsed_time(end) / 1e3, host
 
 
 def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -215,12 +222,15 @@ def exposed_communication(kernels: Iterable[tuple[str, float, float]]) -> float:
     return sum(e - s for s, e in comm) - overlap
 
 
-def profiled_exposed_fraction(run: Callable[[], None]) -> float:
-    """Exposed communication over wall time while `run` executes (CUDA only)."""
+def profiled_exposed_fraction(run: Callable[[], None], trace_prefix: str | None = None) -> float:
+    """Exposed communication over wall time while `run` executes (CUDA only). With
+    `trace_prefix`, host activity is recorded too and the trace (`.json.gz`) and a table of
+    the most expensive ops (`.txt`) are kept there."""
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace_prefix else [])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         run()
         torch.cuda.synchronize()
@@ -230,6 +240,13 @@ def profiled_exposed_fraction(run: Callable[[], None]) -> float:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
+        if trace_prefix:
+            with open(path, "rb") as f, gzip.open(trace_prefix + ".json.gz", "wb") as out:
+                out.write(f.read())
+            averages = prof.key_averages()
+            with open(trace_prefix + ".txt", "w") as out:
+                out.write(averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+                out.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
     kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
     return exposed_communication(kernels) / wall_us
 
@@ -290,12 +307,15 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
             opt.zero_grad(set_to_none=True)
             step_index += 1
 
-    warmup_s = timed(device, lambda: train(args.warmup))
+    warmup_s, _ = timed(device, lambda: train(args.warmup))
     dist.barrier()
-    seconds = rank_max(timed(device, lambda: train(args.steps)), device) / args.steps
+    seconds, host_seconds = timed(device, lambda: train(args.steps))
+    seconds = rank_max(seconds, device) / args.steps
+    host_seconds = rank_max(host_seconds, device) / args.steps
     exposed = None
     if device.type == "cuda" and args.profile_steps:
-        exposed = rank_max(profiled_exposed_fraction(lambda: train(args.profile_steps)), device)
+        trace = os.path.join(args.trace_dir, f"{variant.name}.rank{dist.get_rank()}") if args.trace_dir else None
+        exposed = rank_max(profiled_exposed_fraction(lambda: train(args.profile_steps), trace), device)
     peak = rank_max(torch.cuda.max_memory_allocated(), device) if device.type == "cuda" else None
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -303,7 +323,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     result = {
         "name": variant.name, "label": variant.label, "system": variant.system,
         "reduce_dtype": str(variant.reduce_dtype).removeprefix("torch."), "keeps_weights": variant.keeps_weights,
-        "ms_per_step": seconds * 1e3, "tokens_per_s": tokens_per_s, "warmup_s": warmup_s,
+        "ms_per_step": seconds * 1e3, "host_ms_per_step": host_seconds * 1e3, "tokens_per_s": tokens_per_s, "warmup_s": warmup_s,
         "tflops_per_gpu": flops_per_token(cfg, n_params) * tokens_per_s / world / 1e12,
         "peak_memory_bytes": peak, "allocated_at_start_bytes": leftover, "exposed_comm_fraction": exposed,
         "parameters": n_params,
@@ -413,6 +433,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.slow_link:  # NCCL reads these when it creates a communicator, which happens after this
         os.environ.update(SLOW_LINK_ENV)
     device = init_distributed()
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     fill_defaults(args, device.type == "cuda")
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks_per_node = emulated_ranks_per_node(world, args.ranks_per_node)
@@ -447,8 +469,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         results.append(run_variant(variants[name], args, data, env))
         if rank == 0:
             r = results[-1]
-            print(f"  {name:<18} {r['ms_per_step']:8.1f} ms/step  {r['tokens_per_s']:>10,.0f} tokens/s  "
-                  f"(warmup with compilation {r['warmup_s']:.1f} s)", flush=True)
+            print(f"  {name:<18} {r['ms_per_step']:8.1f} ms/step (host issues a step in {r['host_ms_per_step']:.1f} ms) "
+                  f"{r['tokens_per_s']:>10,.0f} tokens/s  (warmup with compilation {r['warmup_s']:.1f} s)", flush=True)
     add_comparisons(results)
     if rank == 0:
         print(table(results))

@@ -59,7 +59,11 @@ def test_every_variant_ran(bench_json):
     assert tuple(results) == VARIANT_NAMES
     for r in results.values():
         assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["ms_per_step"] > 0, r
-        assert r["exposed_comm_fraction"] is None and r["peak_memory_bytes"] is None  # GPU-only figures
+        if bench_json["setup"]["device"] == "cpu":
+            assert r["exposed_comm_fraction"] is None and r["peak_memory_bytes"] is None  # GPU-only figures
+        else:
+            assert 0 <= r["exposed_comm_fraction"] <= 1 and r["peak_memory_bytes"] > 0, r
+        assert 0 < r["host_ms_per_step"] <= r["ms_per_step"] * 1.05, r
     assert bench_json["setup"]["ranks_per_node"] == 1 and bench_json["setup"]["hpz_partition_size"] == 1
     # Speed ratios are relative to the reference actually run.
     assert results["fsdp2"]["vs_fsdp2_default"] == 1 and results["zero3"]["vs_zero3"] == 1

@@ -27,8 +27,10 @@ def test_deepspeed_names_carry_over():
 
 def test_json_round_trip(tmp_path):
     path = tmp_path / "zeropp.json"
-    path.write_text(json.dumps(Config(param_dtype="bf16", quantized_weights=True).to_dict()))
-    assert Config.load(str(path)) == Config(param_dtype=torch.bfloat16, quantized_weights=True)
+    config = Config(param_dtype="bf16", quantized_weights=True, inductor_options={"combo_kernels": True})
+    path.write_text(json.dumps(config.to_dict()))
+    assert Config.load(str(path)) == config
+    assert dict(config.inductor_options) == {"combo_kernels": True}
 
 
 @pytest.mark.parametrize(
@@ -45,6 +47,9 @@ def test_json_round_trip(tmp_path):
         ({"quantized_weights": "yes"}, "Config.quantized_weights='yes' must be True or False"),
         ({"collective_timeout_s": 0}, "Config.collective_timeout_s=0 must be a positive number"),
         ({"zero_quantized_weights": True, "quantized_weights": False}, "keep one"),
+        ({"inductor_options": {"combo_kernel": True}},
+         "Config.inductor_options: 'combo_kernel' is not a torch._inductor.config setting; did you mean 'combo_kernels'"),
+        ({"inductor_options": 3}, "Config.inductor_options=3 must map Inductor setting names to values"),
     ],
 )
 def test_bad_values_name_key_value_and_range(values, message):

@@ -50,6 +50,7 @@ def zeropp_backend(
         # Inductor's own memory-driven reordering would undo the prefetch order, whose memory
         # the schedule already bounds.
         patches["reorder_for_peak_memory"] = False
+    patches.update(config.inductor_options)
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

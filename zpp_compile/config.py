@@ -86,11 +86,17 @@ class Config:
     # Gathered weights are re-gathered in backward instead of being kept from forward.
     reshard_after_forward: bool = True
     # Scheduling: gathered bytes per communication bucket (0 = one collective per parameter) and
-    # how many buckets' gathers may be in flight ahead of the compute that needs them.
-    bucket_size: int = 64 << 20
+    # how many buckets' gathers may be in flight ahead of the compute that needs them, so at most
+    # (prefetch + 1) x bucket_size gathered bytes are alive at once. Every bucket costs the host a
+    # fixed time (collective launch, quantize and dequantize calls): with all three techniques the
+    # 607M-parameter benchmark GPT ran 43.1 ms/step at 256 MiB, 81.6 at 64 MiB (PERFORMANCE.md).
+    bucket_size: int = 256 << 20
     prefetch: int = 1
     # Compilation and debugging.
     inductor: bool = True
+    # Inductor settings for zeropp's graphs, as torch._inductor.config names (e.g.
+    # {"max_autotune": True}); applied on top of the ones the backend sets. Kept as sorted pairs.
+    inductor_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
     disable_passes: tuple[str, ...] = ()
     dump_dir: str | None = None
     collective_timeout_s: float = 600.0
@@ -127,6 +133,7 @@ class Config:
         if reduce_dtype is None:
             raise ConfigError("Config.reduce_dtype=None is not allowed; use float32, bfloat16 or float16")
         set_("reduce_dtype", reduce_dtype)
+        set_("inductor_options", _inductor_options(self.inductor_options))
         if isinstance(self.disable_passes, str):
             set_("disable_passes", (self.disable_passes,))
         set_("disable_passes", tuple(self.disable_passes))
@@ -203,6 +210,7 @@ class Config:
             value = getattr(self, f.name)
             out[f.name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
         out["disable_passes"] = list(self.disable_passes)
+        out["inductor_options"] = dict(self.inductor_options)
         return out
 
     # -- checks that need the launch ---------------------------------------------------------
@@ -226,6 +234,24 @@ class Config:
                 f"{ranks_per_node} ranks of a node: backward weight gathers will cross nodes",
                 stacklevel=3,
             )
+
+
+def _inductor_options(value: Any) -> tuple[tuple[str, Any], ...]:
+    """Inductor settings as sorted (name, value) pairs (hashable, like the rest of Config)."""
+    import torch._inductor.config as inductor_config
+
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = tuple(sorted((str(k), v) for k, v in items))
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"Config.inductor_options={value!r} must map Inductor setting names to values") from error
+    known = inductor_config.get_config_copy()
+    for name, _ in pairs:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"Config.inductor_options: {name!r} is not a torch._inductor.config setting{hint}")
+    return pairs
 
 
 def _is_int(value: Any) -> bool:
