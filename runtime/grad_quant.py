@@ -906,9 +906,13 @@ class _LaunchCtx:
         return False
 
 
-def _require_triton():
+def _require_triton(block_size: int) -> None:
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
+    # The kernels pair 8-element octets into 16-byte accesses, which needs an even number of
+    # octets per block; the ops send other block sizes to the twins.
+    if block_size % 16:
+        raise ValueError(f"the Triton qgZ kernels need a block_size that is a multiple of 16, got {block_size}")
 
 
 def _vec(esize: int) -> int:
@@ -919,7 +923,7 @@ def _vec(esize: int) -> int:
 def qgz_quantize_triton(grad, num_nodes, ranks_per_node, bits, block_size, *, tile_elems=None,
                         num_warps=None):
     """Triton launcher of ``zpp::qgz_quantize`` (CPU tensors work under TRITON_INTERPRET=1)."""
-    _require_triton()
+    _require_triton(block_size)
     S = _check_quantize_args(grad, num_nodes, ranks_per_node, bits, block_size)
     grad = grad.contiguous()
     nb = num_blocks(S, block_size)
@@ -948,7 +952,7 @@ def qgz_quantize_triton(grad, num_nodes, ranks_per_node, bits, block_size, *, ti
 def qgz_reduce_requantize_triton(recv, num_sources, num_pieces, shard_size, in_bits, out_bits,
                                  block_size, *, tile_elems=None, num_warps=None):
     """Triton launcher of ``zpp::qgz_reduce_requantize``."""
-    _require_triton()
+    _require_triton(block_size)
     _check_reduce_args(recv, num_sources, num_pieces, shard_size, in_bits, block_size)
     _check_bits(out_bits, "out_bits")
     recv = _aligned_u8(recv)
@@ -969,7 +973,7 @@ def qgz_reduce_requantize_triton(recv, num_sources, num_pieces, shard_size, in_b
 def qgz_dequantize_reduce_triton(recv, num_sources, shard_size, bits, block_size, dtype, scale,
                                  *, tile_elems=None, num_warps=None):
     """Triton launcher of ``zpp::qgz_dequantize_reduce``."""
-    _require_triton()
+    _require_triton(block_size)
     _check_reduce_args(recv, num_sources, 1, shard_size, bits, block_size)
     _check_dtype(dtype)
     recv = _aligned_u8(recv)
@@ -1035,16 +1039,19 @@ def _(recv, num_sources, shard_size, bits, block_size, dtype, scale):
 
 
 if HAS_TRITON:
+    # Block sizes that are not multiples of 16 (only reachable by calling the ops directly;
+    # Config allows powers of 2) run the twins.
     @qgz_quantize.register_kernel("cuda")
     def _(grad, num_nodes, ranks_per_node, bits, block_size):
-        return qgz_quantize_triton(grad, num_nodes, ranks_per_node, bits, block_size)
+        launch = qgz_quantize_ref if block_size % 16 else qgz_quantize_triton
+        return launch(grad, num_nodes, ranks_per_node, bits, block_size)
 
     @qgz_reduce_requantize.register_kernel("cuda")
     def _(recv, num_sources, num_pieces, shard_size, in_bits, out_bits, block_size):
-        return qgz_reduce_requantize_triton(recv, num_sources, num_pieces, shard_size, in_bits,
-                                            out_bits, block_size)
+        launch = qgz_reduce_requantize_ref if block_size % 16 else qgz_reduce_requantize_triton
+        return launch(recv, num_sources, num_pieces, shard_size, in_bits, out_bits, block_size)
 
     @qgz_dequantize_reduce.register_kernel("cuda")
     def _(recv, num_sources, shard_size, bits, block_size, dtype, scale):
-        return qgz_dequantize_reduce_triton(recv, num_sources, shard_size, bits, block_size, dtype,
-                                            scale)
+        launch = qgz_dequantize_reduce_ref if block_size % 16 else qgz_dequantize_reduce_triton
+        return launch(recv, num_sources, shard_size, bits, block_size, dtype, scale)

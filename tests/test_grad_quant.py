@@ -256,6 +256,19 @@ def test_triton_reduce_requantize_matches_twin(in_bits, out_bits, B, tile):
 
 
 @needs_triton
+def test_triton_kernels_refuse_an_odd_number_of_octets_per_block():
+    """B = 40 is 5 octets: a 16-byte pair of octets would cross into the next block, so the
+    launchers refuse it (the ops run the twins for such sizes)."""
+    g = torch.randn(4 * 80)
+    recv = gq.qgz_quantize_ref(g, 2, 2, 8, 40)
+    for launch in (lambda: gq.qgz_quantize_triton(g.to(DEV), 2, 2, 8, 40),
+                   lambda: gq.qgz_reduce_requantize_triton(recv.to(DEV), 4, 1, 80, 8, 8, 40),
+                   lambda: gq.qgz_dequantize_reduce_triton(recv.to(DEV), 4, 80, 8, 40, torch.float32, 1.0)):
+        with pytest.raises(ValueError, match="multiple of 16, got 40"):
+            launch()
+
+
+@needs_triton
 @pytest.mark.parametrize("bits", [4, 8])
 def test_triton_reduce_overflow_without_markers(bits):
     """All inputs finite, but the float32 sum overflows: the kernels' NaN-free fast path must
