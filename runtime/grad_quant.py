@@ -906,12 +906,16 @@ class _LaunchCtx:
         return False
 
 
+def triton_handles_block(block_size: int) -> bool:
+    """The kernels pair 8-element octets into 16-byte accesses, which needs an even number of
+    octets per block; the ops send other block sizes to the twins."""
+    return block_size % 16 == 0
+
+
 def _require_triton(block_size: int) -> None:
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
-    # The kernels pair 8-element octets into 16-byte accesses, which needs an even number of
-    # octets per block; the ops send other block sizes to the twins.
-    if block_size % 16:
+    if not triton_handles_block(block_size):
         raise ValueError(f"the Triton qgZ kernels need a block_size that is a multiple of 16, got {block_size}")
 
 
@@ -1039,19 +1043,18 @@ def _(recv, num_sources, shard_size, bits, block_size, dtype, scale):
 
 
 if HAS_TRITON:
-    # Block sizes that are not multiples of 16 (only reachable by calling the ops directly;
-    # Config allows powers of 2) run the twins.
+    # Other block sizes are only reachable by calling the ops directly (Config allows powers of 2).
     @qgz_quantize.register_kernel("cuda")
     def _(grad, num_nodes, ranks_per_node, bits, block_size):
-        launch = qgz_quantize_ref if block_size % 16 else qgz_quantize_triton
+        launch = qgz_quantize_triton if triton_handles_block(block_size) else qgz_quantize_ref
         return launch(grad, num_nodes, ranks_per_node, bits, block_size)
 
     @qgz_reduce_requantize.register_kernel("cuda")
     def _(recv, num_sources, num_pieces, shard_size, in_bits, out_bits, block_size):
-        launch = qgz_reduce_requantize_ref if block_size % 16 else qgz_reduce_requantize_triton
+        launch = qgz_reduce_requantize_triton if triton_handles_block(block_size) else qgz_reduce_requantize_ref
         return launch(recv, num_sources, num_pieces, shard_size, in_bits, out_bits, block_size)
 
     @qgz_dequantize_reduce.register_kernel("cuda")
     def _(recv, num_sources, shard_size, bits, block_size, dtype, scale):
-        launch = qgz_dequantize_reduce_ref if block_size % 16 else qgz_dequantize_reduce_triton
+        launch = qgz_dequantize_reduce_triton if triton_handles_block(block_size) else qgz_dequantize_reduce_ref
         return launch(recv, num_sources, shard_size, bits, block_size, dtype, scale)

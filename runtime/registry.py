@@ -13,7 +13,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .ledger import GraphComm

@@ -9,7 +9,7 @@ import zpp_compile as zpp
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 from test_qwz import qwz_runs
-from test_zero3 import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
+from test_zero3 import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train_sharded
 
 TWO_NODES = {"ranks_per_node": 2, "hpz_partition_size": 2}
 

@@ -183,3 +183,20 @@ def test_bf16_compute_compiled_matches_eager():
     print("bf16 eager vs compiled, largest relative update difference:", worst)
     # bf16 rounding differs between eager and Inductor's fused kernels: measured 9e-3.
     assert worst < 5e-2, worst
+
+
+def generated_code(rank: int, world_size: int, options: dict) -> list[str]:
+    from torch._inductor.utils import run_and_get_code
+
+    model = zpp.shard(nn.Linear(8, 8).to(device()), zpp.Config(**options))
+    step_fn = torch.compile(model, backend="zeropp")
+    return run_and_get_code(lambda: step_fn(torch.randn(2, 8, device=device())).sum().backward())[1]
+
+
+def test_inductor_options_reach_inductor():
+    # Inductor writes a benchmark harness into its generated modules unless told not to.
+    default, off = (run_ranks(generated_code, 1, options)[0]
+                    for options in ({}, {"inductor_options": {"benchmark_harness": False}}))
+    assert len(default) == len(off) == 2  # forward and backward
+    assert all("compiled_module_main" in code for code in default)
+    assert not any("compiled_module_main" in code for code in off)

@@ -245,7 +245,7 @@ def _inductor_options(value: Any) -> tuple[tuple[str, Any], ...]:
         pairs = tuple(sorted((str(k), v) for k, v in items))
     except (TypeError, ValueError) as error:
         raise ConfigError(f"Config.inductor_options={value!r} must map Inductor setting names to values") from error
-    known = inductor_config.get_config_copy()
+    known = inductor_config.get_config_copy() if pairs else {}
     for name, _ in pairs:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
