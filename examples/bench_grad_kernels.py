@@ -4,7 +4,7 @@
     python examples/bench_grad_kernels.py --json out.json    # also write the results as JSON
     python examples/bench_grad_kernels.py --quick            # tiny sizes; runs on CPU under
                                                              # TRITON_INTERPRET=1 (set here)
-    python examples/bench_grad_kernels.py --sweep            # also try other tile / warp counts
+    python examples/bench_grad_kernels.py --sweep            # also try other tunings
 
 What is measured, for a flat gradient of --size-mb MB (in its own dtype, bf16 and fp32) on an
 emulated topology of N nodes x R ranks (W = N R, shard S = gradient / W elements), INT4 and INT8,
@@ -107,25 +107,43 @@ def out_bits_of(bits: int) -> tuple:
     return (4,) if bits == 4 else (8, 4)
 
 
-def check_exact(dev, dtype, bits, B, N, R, S=20011) -> bool:
+def check_exact(dev, dtype, bits, B, N, R, S=20011, tunes=None) -> bool:
     """Triton == twin, bit for bit, for the three kernels on an odd-sized nasty input (several
-    tiles per piece, some with inf / NaN / tiny scales, some without)."""
+    tiles per piece, some with inf / NaN / tiny scales, some without); ``tunes``: tuning
+    keywords by kernel name."""
+    tunes = tunes or {}
     W = N * R
     ok = True
     g = nasty(W * S, dtype, dev, seed=bits)
-    a = gq.qgz_quantize_triton(g, N, R, bits, B)
+    a = gq.qgz_quantize_triton(g, N, R, bits, B, **tunes.get("quantize", {}))
     ok &= torch.equal(a, gq.qgz_quantize_ref(g, N, R, bits, B))
     for out_bits in out_bits_of(bits):
-        red_t = gq.qgz_reduce_requantize_triton(a, R, N, S, bits, out_bits, B)
+        red_t = gq.qgz_reduce_requantize_triton(a, R, N, S, bits, out_bits, B,
+                                                **tunes.get("reduce_requantize", {}))
         red_r = gq.qgz_reduce_requantize_ref(a, R, N, S, bits, out_bits, B)
         ok &= torch.equal(red_t, red_r)
     recv = a[: N * gq.piece_bytes(S, B, bits)]
-    d_t = gq.qgz_dequantize_reduce_triton(recv, N, S, bits, B, dtype, 1.0 / W)
+    d_t = gq.qgz_dequantize_reduce_triton(recv, N, S, bits, B, dtype, 1.0 / W,
+                                          **tunes.get("dequantize_reduce", {}))
     d_r = gq.qgz_dequantize_reduce_ref(recv, N, S, bits, B, dtype, 1.0 / W)
     nan_t, nan_r = torch.isnan(d_t), torch.isnan(d_r)
     ints = torch.int32 if dtype == torch.float32 else torch.int16
     ok &= torch.equal(nan_t, nan_r) and torch.equal(d_t[~nan_t].view(ints), d_r[~nan_r].view(ints))
     return bool(ok)
+
+
+def mark_exact(args, dev, rows, tunes=None) -> None:
+    """Sets each row's "bit_exact" from check_exact (once per dtype and bits; None with
+    --no-check)."""
+    dtypes = {name: dtype for dtype, name in DNAME.items()}
+    done = {}
+    for r in rows:
+        key = (r["dtype"], r["bits"])
+        if key not in done:
+            done[key] = None if args.no_check else check_exact(
+                dev, dtypes[r["dtype"]], r["bits"], args.block_size, args.nodes, args.ranks,
+                S=1001 if args.quick else 20011, tunes=tunes)
+        r["bit_exact"] = done[key]
 
 
 # ------------------------------------------------------------------------------------------
@@ -141,13 +159,26 @@ def bench_copy(nbytes: int, dev, iters, reps, cuda, l2):
     return 2 * nbytes / t
 
 
-def bench_kernels(args, dev, cuda, copy_bw, l2, tile=None, warps=None, only=None):
+def sweep_configs(kernel: str) -> list:
+    """Tuning keywords that --sweep tries for a kernel. reduce_requantize: warps x elements
+    per thread (16 warps per SM in programs, as the defaults), then the persistent grid's
+    programs per SM, then Triton's pipeliner instead of the register prefetch."""
+    if kernel != "reduce_requantize":
+        return [dict(tile_elems=tile, num_warps=warps)
+                for tile in (2048, 4096, 8192, 16384) for warps in (4, 8)]
+    cfgs = [dict(num_warps=warps, tile_elems=e * 32 * warps, programs_per_sm=max(1, 16 // warps))
+            for warps in (1, 4, 8) for e in (16, 32, 64)]
+    cfgs += [dict(programs_per_sm=p) for p in (2, 8)]
+    cfgs += [dict(prefetch=False, num_stages=s) for s in (1, 3)]
+    return cfgs
+
+
+def bench_kernels(args, dev, cuda, copy_bw, l2, kw=None, only=None):
+    """Rows of the kernels (``only`` one of them) launched with tuning keywords ``kw``."""
     N, R, B = args.nodes, args.ranks, args.block_size
     W = N * R
     rows = []
-    kw = {}
-    if tile is not None:
-        kw = dict(tile_elems=tile, num_warps=warps)
+    kw = kw or {}
     for dtype in (torch.bfloat16, torch.float32):
         es = ESIZE[dtype]
         S = max(1, int(args.size_mb * 2 ** 20) // es // W)
@@ -197,8 +228,7 @@ def bench_kernels(args, dev, cuda, copy_bw, l2, tile=None, warps=None, only=None
         bw = nbytes / t
         out.append(dict(kernel=name, dtype=DNAME[dtype], bits=bits, out_bits=out_bits, block_size=B,
                         nodes=N, ranks_per_node=R, bytes=nbytes, time_us=t * 1e6,
-                        TBps=bw / 1e12, pct_copy=100 * bw / copy_bw,
-                        tile_elems=tile, num_warps=warps))
+                        TBps=bw / 1e12, pct_copy=100 * bw / copy_bw, tuning=kw))
     return out
 
 
@@ -211,7 +241,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20, help="launches per timed CUDA graph")
     p.add_argument("--reps", type=int, default=5, help="graph replays (best is kept)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU / interpreter smoke)")
-    p.add_argument("--sweep", action="store_true", help="also try other tile / warp counts")
+    p.add_argument("--sweep", action="store_true", help="also try other tunings per kernel")
     p.add_argument("--no-check", action="store_true", help="skip the bit-exactness check")
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args(argv)
@@ -230,16 +260,8 @@ def main(argv=None):
     grad_bytes = int(args.size_mb * 2 ** 20)
     copy_bw = bench_copy(grad_bytes, dev, args.iters, args.reps, cuda, l2)
 
-    exact = {}
-    if not args.no_check:
-        for dtype in (torch.bfloat16, torch.float32):
-            for bits in (4, 8):
-                exact[(DNAME[dtype], bits)] = check_exact(
-                    dev, dtype, bits, args.block_size, args.nodes, args.ranks,
-                    S=1001 if args.quick else 20011)
     rows = bench_kernels(args, dev, cuda, copy_bw, l2)
-    for r in rows:
-        r["bit_exact"] = exact.get((r["dtype"], r["bits"]))
+    mark_exact(args, dev, rows)
 
     print(f"device: {device}   gradient {args.size_mb:g} MB   topology {args.nodes} nodes x "
           f"{args.ranks} ranks   block {args.block_size}")
@@ -256,15 +278,15 @@ def main(argv=None):
 
     sweep = []
     if args.sweep:
-        print("\nsweep (tile elements x warps), % of copy:")
+        print("\nsweep (tuning keywords), % of copy (NO: not bit-exact):")
         for kernel in ("quantize", "reduce_requantize", "dequantize_reduce"):
-            for tile in (2048, 4096, 8192, 16384):
-                for warps in (4, 8):
-                    res = bench_kernels(args, dev, cuda, copy_bw, l2, tile, warps, only=kernel)
-                    sweep += res
-                    cells = " ".join(f"{r['dtype']}/{r['bits']}>{r['out_bits']}:{r['pct_copy']:5.1f}"
-                                     for r in res)
-                    print(f"  {kernel:<18} tile {tile:>5} warps {warps}: {cells}")
+            for kw in sweep_configs(kernel):
+                res = bench_kernels(args, dev, cuda, copy_bw, l2, kw, only=kernel)
+                mark_exact(args, dev, res, {kernel: kw})
+                sweep += res
+                cells = " ".join(f"{r['dtype']}/{r['bits']}>{r['out_bits']}:{r['pct_copy']:5.1f}"
+                                 f"{' NO' if r['bit_exact'] is False else ''}" for r in res)
+                print(f"  {kernel:<18} {' '.join(f'{k}={v}' for k, v in kw.items())}: {cells}")
 
     wall = time.perf_counter() - t0
     print(f"wall {wall:.1f} s")
@@ -276,7 +298,7 @@ def main(argv=None):
                            tuning={k: {str(key): v for key, v in t.items()}
                                    for k, t in gq.TUNING.items()},
                            rows=rows, sweep=sweep, wall_s=wall), f, indent=1)
-    ok = all(v for v in exact.values())
+    ok = all(r["bit_exact"] is not False for r in rows + sweep)
     return 0 if ok else 1
 
 

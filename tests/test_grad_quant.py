@@ -291,6 +291,79 @@ def test_triton_reduce_overflow_without_markers(bits):
     assert not torch.isnan(back).any()
 
 
+def received(K: int, P: int, S: int, bits: int, B: int, seed: int, special: bool) -> torch.Tensor:
+    """K sources x P pieces as qgz_reduce_requantize receives them (source-major), of values
+    over many magnitudes; ``special``: nasty values, and in every piece a whole block of
+    subnormal values (a subnormal scale)."""
+    gen = torch.Generator().manual_seed(seed)
+    srcs = []
+    for _ in range(K):
+        if special:
+            x = nasty(P * S, torch.float32, gen).reshape(P, S)
+            x[:, B:2 * B] = 3e-39
+        else:
+            x = torch.randn(P * S, generator=gen) * torch.exp2(
+                torch.randint(-20, 20, (P * S,), generator=gen))
+        srcs.append(gq.qgz_quantize_ref(x.flatten(), P, 1, bits, B))
+    return torch.cat(srcs)
+
+
+@needs_triton
+@pytest.mark.parametrize("in_bits,out_bits,prefetch", [(4, 4, True), (8, 8, True), (8, 4, True),
+                                                       (4, 8, True), (8, 4, False)])
+def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, prefetch):
+    """More full tiles than programs: 3 programs (the interpreter counts 3 SMs) walk 6 tiles of
+    4 blocks, program i tiles i and i + 3 (prefetch: the next tile's loads issued before the
+    current tile's arithmetic), then the partial last tile (partial last block). The inputs
+    hold what the kernel branches on (tile 4 none of it: its sum comes from the prefetched
+    words), and the output keeps it visible."""
+    K, B, S = 2, 32, 25 * 32 + 5
+    recv = received(K, 1, S, in_bits, B, seed=in_bits * 10 + out_bits, special=True)
+    _, s_in = gq.unpack_pieces(recv[:gq.piece_bytes(S, B, in_bits)], 1, S, in_bits, B)
+    assert (s_in == math.inf).any() and ((s_in > 0) & (s_in < 2.0 ** -126)).any()
+    ref = gq.qgz_reduce_requantize_ref(recv, K, 1, S, in_bits, out_bits, B)
+    _, s_out = gq.unpack_pieces(ref, 1, S, out_bits, B)
+    assert (s_out == math.inf).sum() > (s_in == math.inf).sum()    # finite sums overflowed
+    out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, 1, S, in_bits, out_bits, B,
+                                          tile_elems=128, programs_per_sm=1,
+                                          prefetch=prefetch).cpu()
+    assert torch.equal(out, ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("in_bits,out_bits,K,B", [
+    (4, 4, 4, 256), (8, 8, 4, 256), (8, 4, 4, 256), (4, 8, 4, 256),   # 2 nodes x 4 ranks
+    (4, 4, 8, 256), (8, 4, 8, 256), (8, 8, 1, 256),                   # 8 / 1 ranks per node
+    (8, 8, 2, 2048), (4, 4, 2, 2048)])                                # 64 / 32 threads per block
+def test_triton_reduce_requantize_default_tiles(in_bits, out_bits, K, B):
+    """The default tiles (elems_per_thread; 1 or 2 vectors of a block per thread at block
+    256): one full tile, then a partial one of one partial block."""
+    nb = gq.elems_per_thread(K, in_bits) * 128 // B + 1
+    S = (nb - 1) * B + 77
+    recv = received(K, 1, S, in_bits, B, seed=K + in_bits * 10 + out_bits, special=False)
+    ref = gq.qgz_reduce_requantize_ref(recv, K, 1, S, in_bits, out_bits, B)
+    out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, 1, S, in_bits, out_bits, B).cpu()
+    assert torch.equal(out, ref)
+
+
+def test_reduce_requantize_elements_per_thread():
+    """The tile rule: the code words of all sources stay within 32 registers per thread for
+    INT4 sources, 16 for INT8 sources (measured faster at 4 sources), at least 16 elements."""
+    assert [gq.elems_per_thread(k, 4) for k in (1, 2, 4, 8)] == [64, 64, 64, 32]
+    assert [gq.elems_per_thread(k, 8) for k in (1, 2, 3, 4, 8)] == [64, 32, 16, 16, 16]
+    assert gq.elems_per_thread(1000, 8) == 16
+
+
+@needs_triton
+def test_triton_reduce_requantize_bad_tuning():
+    recv = gq.qgz_quantize_ref(torch.randn(64), 1, 1, 4, 32)
+    for kw, what in ((dict(num_warps=3), "num_warps"), (dict(tile_elems=0), "tile_elems"),
+                     (dict(programs_per_sm=0), "programs_per_sm"),
+                     (dict(num_stages=0), "num_stages")):
+        with pytest.raises(ValueError, match=what):
+            gq.qgz_reduce_requantize_triton(recv.to(DEV), 1, 1, 64, 4, 4, 32, **kw)
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
