@@ -29,8 +29,15 @@ reshard keeps at least as much as hpZ does). A step is forward + backward + Adam
                      the compiled graphs' ledger (also per phase), FSDP2's analytic (its gathers
                      in bf16, its reduce-scatter in its reduce dtype, shards padded as FSDP2 pads
                      them); "inter x" is that over plain ZeRO-3 in bf16 (3 gathers' worth)
-    exposed comm     (GPU) share of step time in which a NCCL kernel runs and no other kernel
-                     does, from a torch.profiler trace of --profile-steps steps
+    exposed comm     (GPU) share of step time in which a NCCL kernel moves data and no other
+                     kernel runs, from a torch.profiler trace of --profile-steps steps. A NCCL
+                     kernel starts when its rank issues the collective and ends when the data has
+                     arrived, so its time on the rank that issued it first includes waiting for
+                     the others: a collective's transfer time is its shortest kernel over ranks
+                     (the last rank to join waits for no one)
+    peer wait        (GPU) the share of step time in which a NCCL kernel waits for another rank to
+                     issue the same collective and no other kernel runs (ranks whose hosts run
+                     at different speeds); exposed + peer wait is all time in NCCL alone
     host ms/step     the time the host takes to issue a step; close to ms/step when the host,
                      not the GPU, sets the pace (--trace-dir keeps the traces to see where)
 """
@@ -46,6 +53,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
@@ -222,10 +230,55 @@ def exposed_communication(kernels: Iterable[tuple[str, float, float]]) -> float:
     return sum(e - s for s, e in comm) - overlap
 
 
-def profiled_exposed_fraction(run: Callable[[], None], trace_prefix: str | None = None) -> float:
-    """Exposed communication over wall time while `run` executes (CUDA only). With
-    `trace_prefix`, host activity is recorded too and the trace (`.json.gz`) and a table of
-    the most expensive ops (`.txt`) are kept there."""
+def transfer_only(kernels: list[tuple[str, float, float]], transfer: list[float]) -> list[tuple[str, float, float]]:
+    """`kernels` with the i-th NCCL kernel cut to its last `transfer[i]` (the time it moved data,
+    after every rank had joined)."""
+    times = iter(transfer)
+    return [(name, max(start, end - next(times)), end) if name.startswith("nccl") else (name, start, end)
+            for name, start, end in kernels]
+
+
+def nccl_durations(kernels: list[tuple[str, float, float]]) -> dict[str, list[float]]:
+    durations: dict[str, list[float]] = defaultdict(list)
+    for name, start, end in kernels:
+        if name.startswith("nccl"):
+            durations[name].append(end - start)
+    return dict(durations)
+
+
+def transfer_times(kernels: list[tuple[str, float, float]], everyone: list[dict[str, list[float]]]) -> list[float] | None:
+    """Per NCCL kernel of `kernels` (in order), the collective's shortest kernel over the ranks'
+    `nccl_durations`; NCCL runs a communicator's collectives in issue order, so the i-th kernel
+    of a name is the same collective on every rank. None if the ranks ran different collectives."""
+    mine = nccl_durations(kernels)
+    if any({n: len(d) for n, d in other.items()} != {n: len(d) for n, d in mine.items()} for other in everyone):
+        return None
+    shortest = {n: [min(d) for d in zip(*(other[n] for other in everyone))] for n in mine}
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for name, _, _ in kernels:
+        if name.startswith("nccl"):
+            out.append(shortest[name][seen[name]])
+            seen[name] += 1
+    return out
+
+
+def exposed_and_peer_wait(kernels: list[tuple[str, float, float]], wall_us: float) -> tuple[float, float]:
+    """(exposed transfer, peer wait) on this rank as shares of `wall_us`; collective (all ranks)."""
+    everyone: list[dict[str, list[float]]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, nccl_durations(kernels))
+    in_nccl_alone = exposed_communication(kernels)
+    transfer = transfer_times(kernels, everyone)
+    if transfer is None:  # no pairing possible: all of it counts as exposed
+        return in_nccl_alone / wall_us, 0.0
+    exposed = exposed_communication(transfer_only(kernels, transfer))
+    return exposed / wall_us, (in_nccl_alone - exposed) / wall_us
+
+
+def profiled_kernels(run: Callable[[], None], trace_prefix: str | None = None) -> tuple[list[tuple[str, float, float]], float]:
+    """(name, start, end) of every GPU kernel while `run` executes, in start order, and the wall
+    time in microseconds (CUDA only). With `trace_prefix`, host activity is recorded too and the
+    trace (`.json.gz`) and a table of the most expensive ops (`.txt`) are kept there."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace_prefix else [])
@@ -247,8 +300,7 @@ def profiled_exposed_fraction(run: Callable[[], None], trace_prefix: str | None 
             with open(trace_prefix + ".txt", "w") as out:
                 out.write(averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
                 out.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
-    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
-    return exposed_communication(kernels) / wall_us
+    return sorted((e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"), wall_us
 
 
 def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
@@ -312,10 +364,11 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     seconds, host_seconds = timed(device, lambda: train(args.steps))
     seconds = rank_max(seconds, device) / args.steps
     host_seconds = rank_max(host_seconds, device) / args.steps
-    exposed = None
+    exposed = peer_wait = None
     if device.type == "cuda" and args.profile_steps:
         trace = os.path.join(args.trace_dir, f"{variant.name}.rank{dist.get_rank()}") if args.trace_dir else None
-        exposed = rank_max(profiled_exposed_fraction(lambda: train(args.profile_steps), trace), device)
+        exposed, peer_wait = exposed_and_peer_wait(*profiled_kernels(lambda: train(args.profile_steps), trace))
+        exposed, peer_wait = rank_max(exposed, device), rank_max(peer_wait, device)
     peak = rank_max(torch.cuda.max_memory_allocated(), device) if device.type == "cuda" else None
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -326,6 +379,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         "ms_per_step": seconds * 1e3, "host_ms_per_step": host_seconds * 1e3, "tokens_per_s": tokens_per_s, "warmup_s": warmup_s,
         "tflops_per_gpu": flops_per_token(cfg, n_params) * tokens_per_s / world / 1e12,
         "peak_memory_bytes": peak, "allocated_at_start_bytes": leftover, "exposed_comm_fraction": exposed,
+        "peer_wait_fraction": peer_wait,
         "parameters": n_params,
         **comm_bytes(variant, model, world, ranks_per_node),
     }
@@ -386,14 +440,14 @@ def add_comparisons(results: list[dict[str, Any]]) -> None:
 def table(results: list[dict[str, Any]]) -> str:
     fmt = lambda v, spec: format("-", f">{spec.split('.')[0]}") if v is None else format(v, spec)  # noqa: E731
     head = (f"{'variant':<18} {'ms/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'peak GB':>8} {'inter MB':>9} "
-            f"{'src':<8} {'inter x':>7} {'exposed':>7} {'/FSDP2':>7} {'/eq.mem':>7} {'(ref)':<18} {'/ZeRO-3':>7} {'mem x':>6}")
+            f"{'src':<8} {'inter x':>7} {'exposed':>7} {'wait':>6} {'/FSDP2':>7} {'/eq.mem':>7} {'(ref)':<18} {'/ZeRO-3':>7} {'mem x':>6}")
     lines = [head]
     for r in results:
         peak = r["peak_memory_bytes"] / 1e9 if r["peak_memory_bytes"] is not None else None
         lines.append(
             f"{r['name']:<18} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>8.1f} "
             f"{fmt(peak, '8.2f')} {r['inter_bytes'] / 1e6:>9.1f} {r['bytes_source']:<8} {fmt(r['inter_ratio'], '7.3f')} "
-            f"{fmt(r['exposed_comm_fraction'], '7.1%')} {fmt(r['vs_fsdp2_default'], '7.2f')} "
+            f"{fmt(r['exposed_comm_fraction'], '7.1%')} {fmt(r['peer_wait_fraction'], '6.1%')} {fmt(r['vs_fsdp2_default'], '7.2f')} "
             f"{fmt(r['vs_fsdp2_equal_memory'], '7.2f')} {r['fsdp2_equal_memory'] or '-':<18} {fmt(r['vs_zero3'], '7.2f')} "
             f"{fmt(r['memory_vs_fsdp2_equal_memory'], '6.2f')}")
     return "\n".join(lines)

@@ -19,8 +19,10 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import VARIANT_NAMES, exposed_communication  # noqa: E402
+from bench import (VARIANT_NAMES, exposed_and_peer_wait, exposed_communication, nccl_durations,  # noqa: E402
+                   transfer_only, transfer_times)
 from gpt import GPT, GPTConfig  # noqa: E402
+from distributed import run_ranks  # noqa: E402
 
 WORLD, DIM, LAYERS, HEADS, SEQ = 2, 64, 2, 2, 32
 BLOCK = 256  # zeropp's default weight_block_size
@@ -60,9 +62,11 @@ def test_every_variant_ran(bench_json):
     for r in results.values():
         assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["ms_per_step"] > 0, r
         if bench_json["setup"]["device"] == "cpu":
-            assert r["exposed_comm_fraction"] is None and r["peak_memory_bytes"] is None  # GPU-only figures
+            assert r["exposed_comm_fraction"] is None and r["peer_wait_fraction"] is None  # GPU-only figures
+            assert r["peak_memory_bytes"] is None
         else:
-            assert 0 <= r["exposed_comm_fraction"] <= 1 and r["peak_memory_bytes"] > 0, r
+            assert 0 <= r["exposed_comm_fraction"] <= 1 and 0 <= r["peer_wait_fraction"] <= 1, r
+            assert r["peak_memory_bytes"] > 0, r
         assert 0 < r["host_ms_per_step"] <= r["ms_per_step"] * 1.05, r
     assert bench_json["setup"]["ranks_per_node"] == 1 and bench_json["setup"]["hpz_partition_size"] == 1
     # Speed ratios are relative to the reference actually run.
@@ -133,3 +137,31 @@ def test_exposed_communication_is_comm_time_not_covered_by_compute():
             start = rng.randint(0, 40)
             kernels.append((name, start, start + rng.randint(1, 15)))
         assert exposed_communication(kernels) == brute_force_exposed(kernels), kernels
+
+
+# Rank 0 issues both collectives early; rank 1 joins the gather at 6 and the reduce at 22.
+RANK_KERNELS = [
+    [("ncclDevKernel_AllGather", 0, 10), ("gemm", 10, 15), ("ncclDevKernel_ReduceScatter", 15, 25), ("gemm", 18, 20)],
+    [("ncclDevKernel_AllGather", 6, 10), ("gemm", 10, 15), ("ncclDevKernel_ReduceScatter", 22, 25)],
+]
+
+
+def test_peer_wait_is_the_part_of_a_collective_before_the_last_rank_joined():
+    rank0, rank1 = RANK_KERNELS
+    everyone = [nccl_durations(rank0), nccl_durations(rank1)]
+    assert transfer_times(rank0, everyone) == [4, 3] and transfer_times(rank1, everyone) == [4, 3]
+    transfer = transfer_only(rank0, transfer_times(rank0, everyone))
+    assert transfer == [("ncclDevKernel_AllGather", 6, 10), ("gemm", 10, 15), ("ncclDevKernel_ReduceScatter", 22, 25),
+                        ("gemm", 18, 20)]
+    # In NCCL alone: 0-10 and 15-18, 20-25 (18 units); moving data: 6-10 and 22-25 (7); waiting: 11.
+    assert exposed_communication(rank0) == 18 and exposed_communication(transfer) == 7
+    # A rank that ran a collective more or fewer has no partner to pair with.
+    assert transfer_times(rank0, everyone + [nccl_durations(rank0[:2])]) is None
+
+
+def exposed_and_peer_wait_on(rank: int, world_size: int) -> tuple[float, float]:
+    return exposed_and_peer_wait(RANK_KERNELS[rank], wall_us=25.0)
+
+
+def test_ranks_pair_their_collectives():
+    assert run_ranks(exposed_and_peer_wait_on, 2) == [(7 / 25, 11 / 25), (7 / 25, 0.0)]
