@@ -463,17 +463,22 @@ if HAS_TRITON:
         return ((w & MASK) | e23).to(tl.float32, bitcast=True) - OFF
 
     @triton.jit
+    def _tl_marker_value(c, Q: tl.constexpr):
+        """What code c of a block whose scale is the inf marker stands for: -(q+1) -> NaN,
+        q -> +inf, -q -> -inf, any other code -> 0."""
+        v = tl.where(c == Q * 1.0, _INF, tl.where(c == -Q * 1.0, -_INF, 0.0))
+        return tl.where(c == -Q - 1.0, _INF - _INF, v)        # inf - inf = NaN
+
+    @triton.jit
     def _tl_acc_lane(acc, f, s, s_pos, s_inf, P: tl.constexpr, Q: tl.constexpr,
                      FIRST: tl.constexpr, SLOW: tl.constexpr, EMU: tl.constexpr):
         """acc + code * scale for one lane, one rounding (the first source: code * scale).
         ``f`` = code * 2**P (exact). Fast path: f * (s * 2**-P) == code * s exactly while
         s * 2**-P is normal. Slow path (the tile holds inf markers or scales < 2**-100): exact
-        code first; inf-marker blocks contribute -(q+1) -> NaN, q -> +inf, -q -> -inf, else 0."""
+        code first; inf-marker blocks contribute ``_tl_marker_value``."""
         if SLOW:
             cf = f * (2.0 ** -P)
-            sp = tl.where(cf == Q * 1.0, _INF, tl.where(cf == -Q * 1.0, -_INF, 0.0))
-            sp = tl.where(cf == -Q - 1.0, _INF - _INF, sp)   # inf - inf = NaN
-            x = tl.where(s_inf, sp, cf)
+            x = tl.where(s_inf, _tl_marker_value(cf, Q), cf)
             y = tl.where(s_inf, 1.0, s)
         else:
             x = f
@@ -761,14 +766,12 @@ if HAS_TRITON:
     def _tl_acc_code(acc, c, s, Q: tl.constexpr, FIRST: tl.constexpr, SLOW: tl.constexpr,
                      EMU: tl.constexpr):
         """acc + c * s with one rounding (the first source: c * s). Slow path: blocks whose scale
-        is the inf marker contribute -(q+1) -> NaN, q -> +inf, -q -> -inf, other codes -> 0."""
+        is the inf marker contribute ``_tl_marker_value``."""
         x = c
         y = s
         if SLOW:
-            sp = tl.where(c == Q * 1.0, _INF, tl.where(c == -Q * 1.0, -_INF, 0.0))
-            sp = tl.where(c == -Q - 1.0, _INF - _INF, sp)        # inf - inf = NaN
             marker = s == _INF
-            x = tl.where(marker, sp, c)
+            x = tl.where(marker, _tl_marker_value(c, Q), c)
             y = tl.where(marker, 1.0, s)
         if FIRST:
             r = x * y
