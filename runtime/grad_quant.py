@@ -378,8 +378,6 @@ if HAS_TRITON:
     # for |t| < 2**22, t + 1.5 * 2**23 (IEEE add, round to nearest even) holds rint(t) in its low
     # mantissa bits, two's complement; and bitcast(0x4B000000 | n) == 2**23 + n for 0 <= n < 2**23.
     _MAGIC = tl.constexpr(12582912.0)
-    _MAGIC4 = tl.constexpr(12582920.0)   # 1.5 * 2**23 + 8: INT4 codes in offset binary (code + 8)
-    _MAGIC8 = tl.constexpr(12583040.0)   # 1.5 * 2**23 + 128: INT8 codes in offset binary
     _E23 = tl.constexpr(0x4B000000)      # the bits of 2**23
     _TINY = tl.constexpr(2.0 ** -100)  # below this a scale * 2**-16 could be subnormal (inexact)
 
@@ -607,58 +605,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _tl_code(x, inv, BITS: tl.constexpr, CHECK: tl.constexpr):
-        """int32 whose low bits are the code of x: two's complement (INT8) or offset binary
-        code + 8 (INT4), see _MAGIC. |x * inv| <= q (1 + 2**-24)**2 < q + 1/2: no clamp.
+        """int32 whose low BITS bits are the code of x in offset binary (code + 2**(BITS-1)),
+        with zeros above them up to bit 21: rint via _MAGIC plus the offset, so that packing
+        adds codes without masks or borrows. |x * inv| <= q (1 + 2**-24)**2 < q + 1/2: no clamp.
         CHECK: non-finite x (found only in blocks with inv = 0, whose finite values get code
         0) get NaN -> -(q+1), +inf -> q, -inf -> -q."""
         Q: tl.constexpr = (1 << (BITS - 1)) - 1
-        OFF: tl.constexpr = 8 if BITS == 4 else 0
-        if BITS == 4:
-            c = (x * inv + _MAGIC4).to(tl.int32, bitcast=True)
-        else:
-            c = (x * inv + _MAGIC).to(tl.int32, bitcast=True)
+        MAGIC: tl.constexpr = 12582912.0 + (Q + 1)
+        c = (x * inv + MAGIC).to(tl.int32, bitcast=True)
         if CHECK:
-            sp = tl.where(x != x, -Q - 1, tl.where(x > 0.0, Q, -Q)) + OFF
+            sp = tl.where(x != x, -Q - 1, tl.where(x > 0.0, Q, -Q)) + (Q + 1)
             c = tl.where(tl.abs(x) < _INF, c, sp)
         return c
-
-    @triton.jit
-    def _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv, w_ptr, wbase, oc, omask,
-                        BITS: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
-                        REP: tl.constexpr, U: tl.constexpr, MASKED: tl.constexpr,
-                        CHECK: tl.constexpr):
-        """Codes of the 8 lanes (inv [1, BPP, 1, 1]) packed and stored at word wbase + ..."""
-        c0 = _tl_code(x0, inv, BITS, CHECK)
-        c1 = _tl_code(x1, inv, BITS, CHECK)
-        c2 = _tl_code(x2, inv, BITS, CHECK)
-        c3 = _tl_code(x3, inv, BITS, CHECK)
-        c4 = _tl_code(x4, inv, BITS, CHECK)
-        c5 = _tl_code(x5, inv, BITS, CHECK)
-        c6 = _tl_code(x6, inv, BITS, CHECK)
-        c7 = _tl_code(x7, inv, BITS, CHECK)
-        if BITS == 4:
-            # offset-binary nibbles have nothing above bit 3 (below bit 22), so shifted adds
-            # (IMAD / LEA) pack four of them into 16 clean bits; one PRMT, one XOR per word
-            lo = c0 + (c1 << 4) + (c2 << 8) + (c3 << 12)
-            hi = c4 + (c5 << 4) + (c6 << 8) + (c7 << 12)
-            w = ((lo & 0xFFFF) | (hi << 16)) ^ -2004318072    # 0x88888888: back to two's compl.
-            if MASKED:
-                tl.store(w_ptr + wbase + oc, w, mask=omask)
-            else:
-                tl.store(w_ptr + wbase + oc, w)
-        else:
-            wa = (c0 & 255) | ((c1 & 255) << 8) | ((c2 & 255) << 16) | (c3 << 24)
-            wb = (c4 & 255) | ((c5 & 255) << 8) | ((c6 & 255) << 16) | (c7 << 24)
-            ww = tl.reshape(tl.join(wa, wb), (G, BPP, REP, U // 2, 4))
-            oc2, _ = tl.split(tl.reshape(oc, (G, BPP, REP, U // 2, 2)))
-            idx = (2 * oc2)[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :]
-            if MASKED:
-                m2, _ = tl.split(tl.reshape(omask, (G, BPP, REP, U // 2, 2)))
-                tl.store(w_ptr + wbase + idx, ww, mask=m2[:, :, :, :, None])
-            else:
-                tl.store(w_ptr + wbase + idx, ww)
-
-    # ---- kernels --------------------------------------------------------------------------
 
     @triton.jit
     def _tl_load_grad(x_ptr, xb, oc, oin, lim, OB: tl.constexpr, G: tl.constexpr,
@@ -728,8 +686,9 @@ if HAS_TRITON:
         inv4 = inv[None, :, None, None]
         pw = tl.cast(nb, tl.int64) * (B * BITS // 32 + 1)     # piece size in words
         wbase = o.to(tl.int64) * pw + pid.to(tl.int64) * (BPP * OB * BITS // 4)
-        _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, BITS, G,
-                        BPP, REP, U, MASKED, False)
+        zero = nb >> 31                                            # nb >= 0: a run-time 0
+        _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, blk, nb,
+                        zero, BITS, G, BPP, REP, U, OB, MASKED, False)
         sb = o.to(tl.int64) * pw + tl.cast(nb, tl.int64) * (B * BITS // 32)
         if MASKED:
             tl.store(f32_ptr + sb + blk, scale, mask=blk < nb)
@@ -742,8 +701,8 @@ if HAS_TRITON:
             lim1 = tl.minimum(S - t0, BPP * B + 16).to(tl.int32)
             x0, x1, x2, x3, x4, x5, x6, x7 = _tl_load_grad(x_ptr, xb, oc, oin, lim1, OB, G, BPP,
                                                            REP, U, V, MODE, MASKED, PAD)
-            _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, BITS,
-                            G, BPP, REP, U, MASKED, True)
+            _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, blk,
+                            nb, zero, BITS, G, BPP, REP, U, OB, MASKED, True)
 
     # ---- qgz_reduce_requantize: persistent programs, the next tile's loads in flight -------
 
@@ -898,19 +857,8 @@ if HAS_TRITON:
         return a0, a1, a2, a3, a4, a5, a6, a7
 
     @triton.jit
-    def _tl_code8(x, inv, CHECK: tl.constexpr):
-        """INT8 code of x as an offset-binary byte (code + 128) in the low bits of an int32:
-        ``_tl_code`` with 1.5 * 2**23 + 128 as the magic number, so that the bits above the
-        byte are zero up to bit 21 (two's complement codes would borrow into them)."""
-        c = (x * inv + _MAGIC8).to(tl.int32, bitcast=True)
-        if CHECK:
-            sp = tl.where(x != x, -128, tl.where(x > 0.0, 127, -127)) + 128
-            c = tl.where(tl.abs(x) < _INF, c, sp)
-        return c
-
-    @triton.jit
     def _tl_pack_bytes(c0, c1, c2, c3, k256):
-        """Four offset-binary INT8 codes (``_tl_code8``) -> one word, two's complement. Bits
+        """Four offset-binary INT8 codes (``_tl_code``) -> one word, two's complement. Bits
         8..21 of a code are zero and its magic-number bits start at bit 22: only the low half
         needs a mask; those of c2, c3 leave the word. IMAD by a run-time 256 (constant shifts
         get distributed over the sums by LLVM: 7 instructions per word instead of 5)."""
@@ -919,23 +867,23 @@ if HAS_TRITON:
         return (hi * (k256 * k256) + lo) ^ -2139062144            # 0x80808080
 
     @triton.jit
-    def _tl_requant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv, w_ptr, wbase, oc, omask, blk,
-                          nb, zero, BITS: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
-                          REP: tl.constexpr, U: tl.constexpr, OB: tl.constexpr,
-                          MASKED: tl.constexpr, CHECK: tl.constexpr):
+    def _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv, w_ptr, wbase, oc, omask, blk, nb,
+                        zero, BITS: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
+                        REP: tl.constexpr, U: tl.constexpr, OB: tl.constexpr,
+                        MASKED: tl.constexpr, CHECK: tl.constexpr):
         """Codes of the 8 lanes (inv [1, BPP, 1, 1]) packed and stored at word wbase + ...
-        INT4: an offset-binary code (``_tl_code``) has zeros in bits 4..21, so the nibbles add
-        up without carries: 7 IMAD, one mask, one XOR (two's complement) per 8 codes. INT8:
-        the same with bytes (``_tl_pack_bytes``), as 16-byte vectors."""
+        Offset-binary codes (``_tl_code``) have zeros between their field and bit 22, so the
+        fields add up without carries. INT4: 7 IMAD, one mask, one XOR (two's complement) per
+        8 codes; INT8: the same with bytes (``_tl_pack_bytes``), stored as 16-byte vectors."""
+        c0 = _tl_code(x0, inv, BITS, CHECK)
+        c1 = _tl_code(x1, inv, BITS, CHECK)
+        c2 = _tl_code(x2, inv, BITS, CHECK)
+        c3 = _tl_code(x3, inv, BITS, CHECK)
+        c4 = _tl_code(x4, inv, BITS, CHECK)
+        c5 = _tl_code(x5, inv, BITS, CHECK)
+        c6 = _tl_code(x6, inv, BITS, CHECK)
+        c7 = _tl_code(x7, inv, BITS, CHECK)
         if BITS == 4:
-            c0 = _tl_code(x0, inv, BITS, CHECK)
-            c1 = _tl_code(x1, inv, BITS, CHECK)
-            c2 = _tl_code(x2, inv, BITS, CHECK)
-            c3 = _tl_code(x3, inv, BITS, CHECK)
-            c4 = _tl_code(x4, inv, BITS, CHECK)
-            c5 = _tl_code(x5, inv, BITS, CHECK)
-            c6 = _tl_code(x6, inv, BITS, CHECK)
-            c7 = _tl_code(x7, inv, BITS, CHECK)
             # Horner steps by a run-time 16 (IMAD): with constant shifts LLVM distributes them
             # over the sums, 2 more instructions per word. Codes 0..2 carry the magic number's
             # bits from bit 22 up (masked); those of codes 3..7 leave the word in the shift by 12.
@@ -949,10 +897,8 @@ if HAS_TRITON:
                 tl.store(w_ptr + wbase + oc, w)
         else:
             k256 = 256 + zero
-            wa = _tl_pack_bytes(_tl_code8(x0, inv, CHECK), _tl_code8(x1, inv, CHECK),
-                                _tl_code8(x2, inv, CHECK), _tl_code8(x3, inv, CHECK), k256)
-            wb = _tl_pack_bytes(_tl_code8(x4, inv, CHECK), _tl_code8(x5, inv, CHECK),
-                                _tl_code8(x6, inv, CHECK), _tl_code8(x7, inv, CHECK), k256)
+            wa = _tl_pack_bytes(c0, c1, c2, c3, k256)
+            wb = _tl_pack_bytes(c4, c5, c6, c7, k256)
             ww = tl.reshape(tl.join(wa, wb), (G, BPP, REP, U // 2, 4))
             idx, oin8 = _tl_pair_words(G, BPP, REP, U, OB)
             if MASKED:
@@ -981,7 +927,7 @@ if HAS_TRITON:
         blk = b0 + tl.arange(0, BPP)
         omask = _tl_octet_mask(oin, blk, nb, B, MASKED)
         wb = obase + b0.to(tl.int64) * (B * OUT_BITS // 32)
-        _tl_requant_store(a0, a1, a2, a3, a4, a5, a6, a7, inv[None, :, None, None], out_w32, wb,
+        _tl_quant_store(a0, a1, a2, a3, a4, a5, a6, a7, inv[None, :, None, None], out_w32, wb,
                           oc, omask, blk, nb, zero, OUT_BITS, G, BPP, REP, U, B // 8, MASKED,
                           SLOW)
         sb = obase + tl.cast(nb, tl.int64) * (B * OUT_BITS // 32) + blk
