@@ -56,8 +56,7 @@ sum, see ``_fma_f32``.)
 How the Triton kernels stay bit-exact: launched with ``enable_fp_fusion=False`` (no implicit
 contraction), explicit ``tl.fma`` where the formula has one; divisions by ``tl.math.div_rn``;
 rint and float->int via ``bitcast(t + 1.5 * 2**23)`` (exact round-half-even for ``|t| < 2**22``);
-codes -> float via ``bitcast(0x4B000000 | offset-binary field) - bias`` or ``bitcast(field ^ E) -
-bias`` (``_tl_decode``), both exact. Under the interpreter (whose fma rounds twice and whose bf16
+codes -> float via ``bitcast(field ^ E) - bias`` (``_tl_decode``), exact. Under the interpreter (whose fma rounds twice and whose bf16
 conversion truncates) the fma is emulated as in the twin and bf16 is decoded / encoded with bit
 operations. The GPU path is checked against the twins by ``examples/bench_grad_kernels.py``
 (column "exact").
@@ -72,18 +71,19 @@ Block absmax: elementwise max over the lanes, then one row reduction. The reduct
 the sources inside the program (each source read once, all loads in flight together;
 accumulators in registers), always on the fast path; a tile that needs more (rare,
 tile-uniform) is done again on the slow path, overwriting it: in ``qgz_dequantize_reduce`` one
-that holds inf markers, scales below 2**-100 or a sum that overflowed, in
-``qgz_reduce_requantize`` one with a block whose sum is not finite (an inf marker makes it so:
-code * inf is +-inf or NaN, and stays so). ``qgz_dequantize_reduce`` stores through a [block,
+that holds an inf marker, in ``qgz_reduce_requantize`` one with a block whose sum is not finite
+(an inf marker makes it so: code * inf is +-inf or NaN, and stays so). ``qgz_dequantize_reduce`` stores through a [block,
 element] view, so that consecutive threads write consecutive 16-byte vectors (the compiler
 moves the values through shared memory); stored from the lane layout, each warp instruction
 wrote half-sectors spread over 32 lines, and fp32 outputs ran at ~30% of copy. The slice
 reordering of ``qgz_quantize`` is only the address each program reads: no transpose copy.
 
+The two reduction kernels load and sum their sources alike (``_tl_load_tile``,
+``_tl_sum_tile``). The decode yields each code itself (``_tl_decode``), not code * 2**POS, so
+the FFMA takes the block's scale as loaded (no scaled copies of it, no exactness condition on it:
+subnormal scales stay on the fast path); INT8 codes are read as 16-byte vectors.
 ``qgz_reduce_requantize`` reads K sources per output element: there instructions and load
-latency show. Its decode yields each code itself (``_tl_decode``), not code * 2**POS, so the FFMA
-takes the block's scale as loaded (no scaled copies of it, no exactness condition on it:
-subnormal scales stay on the fast path). Its grid is persistent: ``programs_per_sm`` programs
+latency show. Its grid is persistent: ``programs_per_sm`` programs
 per SM, split over the pieces, walk the full tiles of their piece (unmasked), each issuing the
 next tile's loads (all sources, 16-byte vectors) before the current tile's arithmetic, so that
 a program's loads are in flight while it computes; a piece's partial last tile comes after the
@@ -376,10 +376,9 @@ if HAS_TRITON:
     _FLT_MAX = tl.constexpr(FLT_MAX)
     # Integer <-> float without the conversion unit (16/clk/SM on Hopper, against 128 for FP32):
     # for |t| < 2**22, t + 1.5 * 2**23 (IEEE add, round to nearest even) holds rint(t) in its low
-    # mantissa bits, two's complement; and bitcast(0x4B000000 | n) == 2**23 + n for 0 <= n < 2**23.
+    # mantissa bits, two's complement (``_tl_code``); a field ORed or XORed into the mantissa of
+    # a power of 2 reads back as that power plus the field (``_tl_decode``).
     _MAGIC = tl.constexpr(12582912.0)
-    _E23 = tl.constexpr(0x4B000000)      # the bits of 2**23
-    _TINY = tl.constexpr(2.0 ** -100)  # below this a scale * 2**-16 could be subnormal (inexact)
 
     # Tiles. A tile is BPP consecutive blocks of one piece (a program does one, or in
     # qgz_reduce_requantize a sequence of them). The unit of work is the "octet"
@@ -448,145 +447,6 @@ if HAS_TRITON:
             r = tl.fma(a, b, c)
         return r
 
-    # ---- codes -> values ----------------------------------------------------------------
-
-    @triton.jit
-    def _tl_field(w, e23, POS: tl.constexpr, WIDTH: tl.constexpr):
-        """Offset-binary field u = code + 2**(WIDTH-1) of WIDTH bits at bit POS of w (POS + WIDTH
-        <= 23) -> float32 code * 2**POS, exactly, in two instructions: one LOP3 keeps the field
-        and sets the exponent of 2**23 (``e23``, held in a register: LOP3 takes one immediate),
-        giving 2**23 + u * 2**POS; one FADD removes the bias."""
-        MASK: tl.constexpr = ((1 << WIDTH) - 1) << POS
-        OFF: tl.constexpr = 8388608.0 + (1 << (WIDTH - 1 + POS))
-        return ((w & MASK) | e23).to(tl.float32, bitcast=True) - OFF
-
-    @triton.jit
-    def _tl_marker_value(c, Q: tl.constexpr):
-        """What code c of a block whose scale is the inf marker stands for: -(q+1) -> NaN,
-        q -> +inf, -q -> -inf, any other code -> 0."""
-        v = tl.where(c == Q * 1.0, _INF, tl.where(c == -Q * 1.0, -_INF, 0.0))
-        return tl.where(c == -Q - 1.0, _INF - _INF, v)        # inf - inf = NaN
-
-    @triton.jit
-    def _tl_acc_lane(acc, f, s, s_pos, s_inf, P: tl.constexpr, Q: tl.constexpr,
-                     FIRST: tl.constexpr, SLOW: tl.constexpr, EMU: tl.constexpr):
-        """acc + code * scale for one lane, one rounding (the first source: code * scale).
-        ``f`` = code * 2**P (exact). Fast path: f * (s * 2**-P) == code * s exactly while
-        s * 2**-P is normal. Slow path (the tile holds inf markers or scales < 2**-100): exact
-        code first; inf-marker blocks contribute ``_tl_marker_value``."""
-        if SLOW:
-            cf = f * (2.0 ** -P)
-            x = tl.where(s_inf, _tl_marker_value(cf, Q), cf)
-            y = tl.where(s_inf, 1.0, s)
-        else:
-            x = f
-            y = s_pos
-        if FIRST:
-            r = x * y
-        else:
-            r = _tl_fma(x, y, acc, EMU)
-        return r
-
-    @triton.jit
-    def _tl_code_words(w_ptr, wbase, oc, omask, BITS: tl.constexpr, G: tl.constexpr,
-                       BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
-                       MASKED: tl.constexpr):
-        """Code words of the tile's octets: INT4 -> w [G, BPP, REP, U] (one word per octet);
-        INT8 -> (wa, wb), each [G, BPP, REP, U] (elements 0..3 and 4..7 of the octet). Masked
-        octets read as 0 words (codes 0)."""
-        if BITS == 4:
-            if MASKED:
-                w = tl.load(w_ptr + wbase + oc, mask=omask, other=0)
-            else:
-                w = tl.load(w_ptr + wbase + oc)
-            wb = w
-        else:  # two words per octet; 16-byte vectors = 2 octets: [G, BPP, REP, U // 2, 4]
-            oc2 = tl.reshape(oc, (G, BPP, REP, U // 2, 2))
-            oc2, _ = tl.split(oc2)                     # first octet of each pair
-            idx = (2 * oc2)[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :]
-            if MASKED:
-                m2 = tl.reshape(omask, (G, BPP, REP, U // 2, 2))
-                m2, _ = tl.split(m2)
-                ww = tl.load(w_ptr + wbase + idx, mask=m2[:, :, :, :, None], other=0)
-            else:
-                ww = tl.load(w_ptr + wbase + idx)
-            w, wb = tl.split(tl.reshape(ww, (G, BPP, REP, U, 2)))
-        return w, wb
-
-    @triton.jit
-    def _tl_acc_source(a0, a1, a2, a3, a4, a5, a6, a7, w32_ptr, f32_ptr, base, oc, omask, b0,
-                       blk, nb, BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
-                       BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
-                       MASKED: tl.constexpr, FIRST: tl.constexpr, SLOW: tl.constexpr,
-                       EMU: tl.constexpr):
-        """Accumulate the piece at word offset ``base`` (the tile's blocks) into the 8 lanes; also
-        returns which blocks need the slow path (inf marker, or a scale below 2**-100). Per
-        code: one LOP3 + one FADD (exact code * 2**POS) + one FFMA; per word one XOR (sign bits
-        flipped: offset binary) and one shift (INT4 nibbles 5..7, INT8 bytes 2, 3)."""
-        Q: tl.constexpr = (1 << (BITS - 1)) - 1
-        OB: tl.constexpr = B // 8
-        cw = tl.cast(nb, tl.int64) * (B * BITS // 32)          # code words per piece
-        wt = base + b0.to(tl.int64) * (OB * BITS // 4)          # the tile's first code word
-        if MASKED:
-            s1 = tl.load(f32_ptr + base + cw + blk, mask=blk < nb, other=0.0)
-        else:
-            s1 = tl.load(f32_ptr + base + cw + blk)
-        slow = (s1 == _INF) | ((s1 > 0.0) & (s1 < _TINY))
-        s = s1[None, :, None, None]
-        si = s == _INF
-        e23 = _E23 | (nb >> 31)      # nb >= 0: a run-time zero keeps 2**23's bits in a register
-        w, wb = _tl_code_words(w32_ptr, wt, oc, omask, BITS, G, BPP, REP, U, MASKED)
-        if BITS == 4:
-            w = w ^ -2004318072                                 # 0x88888888
-            h = w >> 12                                         # nibbles 5..7 at bits 8..19
-            s4 = s * 0.0625
-            s8 = s * 0.00390625
-            s12 = s * 0.000244140625
-            s16 = s * 1.52587890625e-05
-            a0 = _tl_acc_lane(a0, _tl_field(w, e23, 0, 4), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a1 = _tl_acc_lane(a1, _tl_field(w, e23, 4, 4), s, s4, si, 4, Q, FIRST, SLOW, EMU)
-            a2 = _tl_acc_lane(a2, _tl_field(w, e23, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a3 = _tl_acc_lane(a3, _tl_field(w, e23, 12, 4), s, s12, si, 12, Q, FIRST, SLOW, EMU)
-            a4 = _tl_acc_lane(a4, _tl_field(w, e23, 16, 4), s, s16, si, 16, Q, FIRST, SLOW, EMU)
-            a5 = _tl_acc_lane(a5, _tl_field(h, e23, 8, 4), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a6 = _tl_acc_lane(a6, _tl_field(h, e23, 12, 4), s, s12, si, 12, Q, FIRST, SLOW, EMU)
-            a7 = _tl_acc_lane(a7, _tl_field(h, e23, 16, 4), s, s16, si, 16, Q, FIRST, SLOW, EMU)
-        else:
-            w = w ^ -2139062144                                 # 0x80808080
-            wb = wb ^ -2139062144
-            ha = w >> 16                                        # bytes 2, 3 at bits 0..15
-            hb = wb >> 16
-            s8 = s * 0.00390625
-            a0 = _tl_acc_lane(a0, _tl_field(w, e23, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a1 = _tl_acc_lane(a1, _tl_field(w, e23, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a2 = _tl_acc_lane(a2, _tl_field(ha, e23, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a3 = _tl_acc_lane(a3, _tl_field(ha, e23, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a4 = _tl_acc_lane(a4, _tl_field(wb, e23, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a5 = _tl_acc_lane(a5, _tl_field(wb, e23, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-            a6 = _tl_acc_lane(a6, _tl_field(hb, e23, 0, 8), s, s, si, 0, Q, FIRST, SLOW, EMU)
-            a7 = _tl_acc_lane(a7, _tl_field(hb, e23, 8, 8), s, s8, si, 8, Q, FIRST, SLOW, EMU)
-        return a0, a1, a2, a3, a4, a5, a6, a7, slow
-
-    @triton.jit
-    def _tl_sum_sources(w32_ptr, f32_ptr, base0, stride, oc, omask, b0, blk, nb, K: tl.constexpr,
-                        BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
-                        BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
-                        MASKED: tl.constexpr, SLOW: tl.constexpr, EMU: tl.constexpr):
-        """Sum, in source order, of the pieces at word offsets ``base0 + k * stride`` (k < K):
-        acc = code_0 * s_0, then acc = fma(code_k, s_k, acc). Unrolled and branch-free, so that
-        the loads of all sources can be in flight together. Also returns whether the tile needs
-        the slow path (then the fast sum is garbage, and the caller does the tile again)."""
-        z = tl.zeros((G, BPP, REP, U), tl.float32)
-        a0, a1, a2, a3, a4, a5, a6, a7, slow = _tl_acc_source(
-            z, z, z, z, z, z, z, z, w32_ptr, f32_ptr, base0, oc, omask, b0, blk, nb, BITS, B, G, BPP,
-            REP, U, MASKED, True, SLOW, EMU)
-        for k in tl.static_range(1, K):
-            a0, a1, a2, a3, a4, a5, a6, a7, sk = _tl_acc_source(
-                a0, a1, a2, a3, a4, a5, a6, a7, w32_ptr, f32_ptr, base0 + k * stride, oc, omask,
-                b0, blk, nb, BITS, B, G, BPP, REP, U, MASKED, False, SLOW, EMU)
-            slow = slow | sk
-        return a0, a1, a2, a3, a4, a5, a6, a7, tl.max(slow.to(tl.int32), axis=0) > 0
-
     # ---- values -> codes ----------------------------------------------------------------
 
     @triton.jit
@@ -611,8 +471,7 @@ if HAS_TRITON:
         CHECK: non-finite x (found only in blocks with inv = 0, whose finite values get code
         0) get NaN -> -(q+1), +inf -> q, -inf -> -q."""
         Q: tl.constexpr = (1 << (BITS - 1)) - 1
-        MAGIC: tl.constexpr = 12582912.0 + (Q + 1)
-        c = (x * inv + MAGIC).to(tl.int32, bitcast=True)
+        c = (x * inv + (_MAGIC + (Q + 1))).to(tl.int32, bitcast=True)
         if CHECK:
             sp = tl.where(x != x, -Q - 1, tl.where(x > 0.0, Q, -Q)) + (Q + 1)
             c = tl.where(tl.abs(x) < _INF, c, sp)
@@ -704,7 +563,7 @@ if HAS_TRITON:
             _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, blk,
                             nb, zero, BITS, G, BPP, REP, U, OB, MASKED, True)
 
-    # ---- qgz_reduce_requantize: persistent programs, the next tile's loads in flight -------
+    # ---- codes -> values: the sources of the reduction kernels, loaded and summed ------
 
     @triton.jit
     def _tl_decode(w, zero, MASK: tl.constexpr, POS: tl.constexpr, WIDTH: tl.constexpr):
@@ -720,6 +579,13 @@ if HAS_TRITON:
         E: tl.constexpr = ((150 - POS) << 23) | (1 << (POS + WIDTH - 1))
         OFF: tl.constexpr = float(2 ** (23 - POS) + 2 ** (WIDTH - 1))
         return ((w & MASK) ^ (zero + E)).to(tl.float32, bitcast=True) - OFF
+
+    @triton.jit
+    def _tl_marker_value(c, Q: tl.constexpr):
+        """What code c of a block whose scale is the inf marker stands for: -(q+1) -> NaN,
+        q -> +inf, -q -> -inf, any other code -> 0."""
+        v = tl.where(c == Q * 1.0, _INF, tl.where(c == -Q * 1.0, -_INF, 0.0))
+        return tl.where(c == -Q - 1.0, _INF - _INF, v)        # inf - inf = NaN
 
     @triton.jit
     def _tl_acc_code(acc, c, s, Q: tl.constexpr, FIRST: tl.constexpr, SLOW: tl.constexpr,
@@ -907,6 +773,21 @@ if HAS_TRITON:
                 tl.store(w_ptr + wbase + idx, ww)
 
     @triton.jit
+    def _tl_sum_tile(srcs, zero, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                     BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr, SLOW: tl.constexpr,
+                     EMU: tl.constexpr):
+        """The 8 lanes of the sum, in source order, of the loaded sources (``_tl_load_tile``):
+        acc = code_0 * s_0, then acc = fma(code_k, s_k, acc)."""
+        z = tl.zeros((G, BPP, REP, U), tl.float32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_accumulate(z, z, z, z, z, z, z, z, srcs[0], srcs[1],
+                                                        srcs[2], zero, BITS, True, SLOW, EMU)
+        for k in tl.static_range(1, K):
+            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_accumulate(
+                a0, a1, a2, a3, a4, a5, a6, a7, srcs[3 * k], srcs[3 * k + 1], srcs[3 * k + 2],
+                zero, BITS, False, SLOW, EMU)
+        return a0, a1, a2, a3, a4, a5, a6, a7
+
+    @triton.jit
     def _tl_sum_requant_store(srcs, out_w32, out_f32, obase, b0, oc, oin, nb, K: tl.constexpr,
                               IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, B: tl.constexpr,
                               G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr,
@@ -916,13 +797,8 @@ if HAS_TRITON:
         whether some block's sum is not finite (the tile needs the slow path)."""
         Q: tl.constexpr = (1 << (OUT_BITS - 1)) - 1
         zero = nb >> 31                                            # nb >= 0: a run-time 0
-        z = tl.zeros((G, BPP, REP, U), tl.float32)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_accumulate(z, z, z, z, z, z, z, z, srcs[0], srcs[1],
-                                                        srcs[2], zero, IN_BITS, True, SLOW, EMU)
-        for k in tl.static_range(1, K):
-            a0, a1, a2, a3, a4, a5, a6, a7 = _tl_accumulate(
-                a0, a1, a2, a3, a4, a5, a6, a7, srcs[3 * k], srcs[3 * k + 1], srcs[3 * k + 2],
-                zero, IN_BITS, False, SLOW, EMU)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_tile(srcs, zero, K, IN_BITS, G, BPP, REP, U, SLOW,
+                                                      EMU)
         scale, inv, bad = _tl_scales(a0, a1, a2, a3, a4, a5, a6, a7, Q)
         blk = b0 + tl.arange(0, BPP)
         omask = _tl_octet_mask(oin, blk, nb, B, MASKED)
@@ -1024,16 +900,22 @@ if HAS_TRITON:
                                 oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, True, EMU)
 
     @triton.jit
-    def _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, omask, b0, blk, nb, lim, scale,
+    def _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, b0, nb, lim, scale,
                          K: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
                          BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
                          MASKED: tl.constexpr, PAD: tl.constexpr, SLOW: tl.constexpr,
                          ENCODE_BF16: tl.constexpr, EMU: tl.constexpr):
         """Sum the sources over the tile, times ``scale``, stored in the output dtype; returns
-        whether the tile needs the slow path."""
-        a0, a1, a2, a3, a4, a5, a6, a7, slow = _tl_sum_sources(
-            in_w32, in_f32, pw * 0, pw, oc, omask, b0, blk, nb, K, BITS, B, G, BPP, REP, U, MASKED,
-            SLOW, EMU)
+        whether the tile holds an inf-marker block (then it needs the slow path: the fast one
+        read the marker as a scale)."""
+        srcs = _tl_load_tile(in_w32, in_f32, pw * 0, pw, b0, oc, oin, nb, K, BITS, B, G, BPP, REP,
+                             U, MASKED)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_tile(srcs, nb >> 31, K, BITS, G, BPP, REP, U,
+                                                      SLOW, EMU)
+        marker = srcs[2] == _INF
+        for k in tl.static_range(1, K):
+            marker = marker | (srcs[3 * k + 2] == _INF)
+        slow = tl.max(tl.reshape(marker, (BPP,)).to(tl.int32), axis=0) > 0
         y = _tl_join8(a0, a1, a2, a3, a4, a5, a6, a7, G, BPP, REP, U) * scale
         # Back to memory order, [block, element in block]: the store then gets its own layout
         # (consecutive threads, consecutive 16-byte vectors; the compiler moves the values
@@ -1071,17 +953,15 @@ if HAS_TRITON:
         MASKED: tl.constexpr = (not EVEN) or PAD
         pid = tl.program_id(0)
         b0 = pid * BPP
-        blk = b0 + tl.arange(0, BPP)
         oc, oin = _tl_octets(G, BPP, REP, U, OB)
-        omask = (oin < OB) & (blk < nb)[None, :, None, None]
         lim = tl.minimum(S - pid.to(tl.int64) * (BPP * B), BPP * B).to(tl.int32)
         pw = tl.cast(nb, tl.int64) * (B * BITS // 32 + 1)
-        # Fast path unconditionally; a tile with inf markers or tiny scales (RARE, tile-uniform)
-        # is done again, overwriting it.
-        if _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, omask, b0, blk, nb, lim, scale, K,
-                            BITS, B, G, BPP, REP, U, MASKED, PAD, False, ENCODE_BF16, EMU):
-            _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, omask, b0, blk, nb, lim, scale, K,
-                             BITS, B, G, BPP, REP, U, MASKED, PAD, True, ENCODE_BF16, EMU)
+        # Fast path unconditionally; a tile with inf markers (RARE, tile-uniform) is done again,
+        # overwriting it.
+        if _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, b0, nb, lim, scale, K, BITS, B,
+                            G, BPP, REP, U, MASKED, PAD, False, ENCODE_BF16, EMU):
+            _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, b0, nb, lim, scale, K, BITS, B,
+                             G, BPP, REP, U, MASKED, PAD, True, ENCODE_BF16, EMU)
 
 
 # Per kernel and input bits (dequantize_reduce: and bytes per output element): elements per
