@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from .base import PassContext
-from .fx_util import ancestors, descendants
+from .fx_util import ancestors, backward_nodes, descendants
 
 _c10d = torch.ops._c10d_functional
 COLLECTIVES = (
@@ -38,8 +38,10 @@ def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:
     nodes = [n for n in graph.nodes if n.op != "output"]
     rank = {node: float(index) for index, node in enumerate(nodes)}
     collectives = [n for n in nodes if n.target in COLLECTIVES]
-    # zeropp all-gathers only weights (shards, hpZ copies); everything else reduces gradients.
-    gathers = [c for c in collectives if c.target is _c10d.all_gather_into_tensor.default]
+    # Weight gathers read graph inputs (shards, hpZ copies); collectives computed from an incoming
+    # gradient reduce it, all-gathers among them (a two-node gradient exchange is one).
+    from_gradients = backward_nodes(graph)
+    gathers = [c for c in collectives if c.target is _c10d.all_gather_into_tensor.default and c not in from_gradients]
     reductions = [c for c in collectives if c not in gathers]
     _prefetch_gathers(gathers, ctx.config.prefetch, rank)
     _defer_reductions(reductions, nodes, rank)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..passes.fx_util import backward_nodes
 from .topology import Group, Topology
 
 _c10d = torch.ops._c10d_functional
@@ -32,16 +33,18 @@ class CollectiveRecord:
     dtype: torch.dtype
     intra_bytes: int  # received from peers on this rank's node
     inter_bytes: int  # received from peers on other nodes
+    of_gradient: bool  # it moves a gradient (else weights)
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "group": self.group.name, "ranks": list(self.group.ranks),
                 "dtype": str(self.dtype).removeprefix("torch."), "intra_bytes": self.intra_bytes,
-                "inter_bytes": self.inter_bytes}
+                "inter_bytes": self.inter_bytes, "of_gradient": self.of_gradient}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> CollectiveRecord:
         group = Group(values["group"], tuple(values["ranks"]))
-        return cls(values["op"], group, getattr(torch, values["dtype"]), values["intra_bytes"], values["inter_bytes"])
+        return cls(values["op"], group, getattr(torch, values["dtype"]), values["intra_bytes"], values["inter_bytes"],
+                   values["of_gradient"])
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ def zeropp_groups(topology: Topology) -> dict[str, Group]:
 def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, CollectiveRecord]:
     """The zeropp collectives of `graph` (those over its topology's groups), in graph order."""
     groups = zeropp_groups(topology)
+    of_gradients = backward_nodes(graph)
     records = {}
     for node in graph.nodes:
         op = _OPS.get(node.target)
@@ -110,7 +114,9 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
         # What each peer sends this rank: its whole input for a gather, else the chunk for here.
         per_peer = nbytes if op == "all_gather" else nbytes // group.size
         same, other = topology.peers_by_link(group)
-        records[node] = CollectiveRecord(op, group, value.dtype, same * per_peer, other * per_peer)
+        records[node] = CollectiveRecord(
+            op, group, value.dtype, same * per_peer, other * per_peer, node in of_gradients
+        )
     return records
 
 
@@ -126,12 +132,12 @@ def training_graphs(graphs: list[GraphComm]) -> list[GraphComm]:
 PHASES = ("forward weight gather", "backward weight gather", "gradient reduction")
 
 
-def phase_of(kind: str, op: str) -> str:
+def phase_of(kind: str, record: CollectiveRecord) -> str:
     """Which of plain ZeRO-3's three collectives a collective stands for (qwZ rewrites the first,
     hpZ the second, qgZ the third)."""
-    if op == "all_gather":
-        return PHASES[1] if kind == "backward" else PHASES[0]
-    return PHASES[2] if kind == "backward" else "other"
+    if record.of_gradient:
+        return PHASES[2]
+    return PHASES[1] if kind == "backward" else PHASES[0]
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,7 @@ class CommReport:
         """The report of the training graphs among `graphs` (the ledger, or a dump read back)."""
         chosen = training_graphs(graphs)
         rows = tuple(
-            CommRow(g.graph_name, phase_of(g.kind, c.op), c.op, c.group.ranks, str(c.dtype).removeprefix("torch."),
+            CommRow(g.graph_name, phase_of(g.kind, c), c.op, c.group.ranks, str(c.dtype).removeprefix("torch."),
                     c.intra_bytes, c.inter_bytes)
             for g in chosen for c in g.collectives
         )

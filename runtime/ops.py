@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import grad_quant, weight_quant  # noqa: F401  (register the quantization ops)
-from .collectives import all_gather, all_to_all, reduce_scatter_sum
+from .collectives import all_gather, all_to_all, all_to_all_between_nodes, reduce_scatter_sum
 
 
 def gather_param(
@@ -61,7 +61,8 @@ def reduce_grad_quantized(
     The gradient is quantized with its slices reordered so that the intra-node all-to-all hands
     local rank l the parts of every node's shard l; those are summed and requantized, and the
     inter-node all-to-all hands each rank its own shard from every node. Only the second hop
-    leaves the node, in `inter_bits`. With one node, or one rank per node, the missing hop is
+    leaves the node, in `inter_bits` (between two nodes as an all-gather, see
+    `all_to_all_between_nodes`). With one node, or one rank per node, the missing hop is
     skipped. Sums are in float32; the result is the mean in `dtype`.
     """
     nodes, local = num_nodes, ranks_per_node
@@ -70,13 +71,14 @@ def reduce_grad_quantized(
     if nodes == 1 or local == 1:
         group, bits = (intra_group, intra_bits) if nodes == 1 else (inter_group, inter_bits)
         packed = torch.ops.zpp.qgz_quantize(grad, nodes, local, bits, block_size)
-        received = all_to_all(packed, nodes * local, group)
+        exchange = all_to_all if nodes == 1 else all_to_all_between_nodes
+        received = exchange(packed, nodes * local, group)
         shard = torch.ops.zpp.qgz_dequantize_reduce(received, nodes * local, shard_size, bits, block_size, dtype, mean)
         return shard[:shard_numel]
     packed = torch.ops.zpp.qgz_quantize(grad, nodes, local, intra_bits, block_size)
     received = all_to_all(packed, local, intra_group)
     partial = torch.ops.zpp.qgz_reduce_requantize(received, local, nodes, shard_size, intra_bits, inter_bits, block_size)
-    received = all_to_all(partial, nodes, inter_group)
+    received = all_to_all_between_nodes(partial, nodes, inter_group)
     shard = torch.ops.zpp.qgz_dequantize_reduce(received, nodes, shard_size, inter_bits, block_size, dtype, mean)
     return shard[:shard_numel]
 

@@ -68,12 +68,14 @@ def test_dump_has_before_and_after_of_every_enabled_pass(paper_run):
                     assert (folder / f"g0.{kind}.lowering.{index:02d}.{graph_pass.name}.{part}").is_file()
             for part in ("lowered.py", "comm.json", "schedule.txt"):
                 assert (folder / f"g0.{kind}.{part}").is_file()
-    # The qgZ pass's summary shows its rewrite: gradient reductions in, all-to-alls out.
+    # The qgZ pass's summary shows its rewrite: gradient reductions in, quantized exchanges out
+    # (between two nodes, the all-to-all is an all-gather of the chunk for the other node).
     summary_file = next((paper_run / "dump" / "rank0").glob("g0.backward.*.quantize_gradients.summary.json"))
     summary = json.loads(summary_file.read_text())
     assert [r["op"] for r in summary["collectives_before"]] == ["zpp.reduce_grad"]
-    assert [(r["op"], r["dtype"]) for r in summary["collectives_after"]] == [("all_to_all", "uint8")]
-    # Both layers' gradients share one bucket: one reduction, one quantize kernel, one all-to-all.
+    after = [(r["op"], r["dtype"], r["of_gradient"]) for r in summary["collectives_after"]]
+    assert after == [("all_gather", "uint8", True)]
+    # Both layers' gradients share one bucket: one reduction, one quantize kernel, one exchange.
     assert summary["added"]["zpp.qgz_quantize.default"] == summary["removed"]["zpp.reduce_grad.default"] == 1
     schedule = (paper_run / "dump" / "rank0" / "g0.backward.schedule.txt").read_text()
     assert schedule.count(" issue ") == schedule.count(" wait ") == 1 and "compute" in schedule

@@ -13,6 +13,7 @@ from distributed import device, run_ranks
 from models import TinyTransformer, batches
 from test_qwz import relative_error
 from test_zero3 import PER_RANK, STEPS, needs_4_ranks, train
+from zpp_compile.runtime.collectives import all_to_all, all_to_all_between_nodes
 from zpp_compile.runtime.ops import reduce_grad_quantized
 from zpp_compile.runtime.topology import build_topology
 
@@ -49,6 +50,19 @@ def exact_slices(rank: int, world_size: int, ranks_per_node: int) -> None:
                 result = reduce(grad.to(dtype), numel, topology, bits, bits)
                 mine = grad[rank * shard:(rank + 1) * shard]
                 assert torch.equal(result, mine), (bits, dtype, numel)
+
+
+def two_node_exchange(rank: int, world_size: int) -> list[int]:
+    topology = build_topology(1, 0, 60.0)  # 2 nodes x 1: the inter-node group is both ranks
+    sent = (torch.arange(8, dtype=torch.uint8) + 10 * rank).view(4, 2).to(device())
+    received = all_to_all_between_nodes(sent, 2, topology.inter_node.name)
+    assert torch.equal(received, all_to_all(sent, 2, topology.inter_node.name))
+    return received.flatten().tolist()
+
+
+def test_two_node_exchange_is_an_all_to_all():
+    # Rows 0-1 of each rank's (4, 2) buffer are its chunk for rank 0, rows 2-3 its chunk for rank 1.
+    assert run_ranks(two_node_exchange, 2) == [[0, 1, 2, 3, 10, 11, 12, 13], [4, 5, 6, 7, 14, 15, 16, 17]]
 
 
 @pytest.mark.parametrize("world_size, ranks_per_node", TOPOLOGIES)

@@ -61,15 +61,16 @@ def test_schedule_changes_no_bit_of_the_result():
 
 def small_members_stay_full_precision(rank: int, world_size: int) -> list:
     _, _, collectives = final_state(rank, world_size, {**ALL_THREE, "bucket_size": 1 << 20})
-    return sorted({(c.op, str(c.dtype)) for c in collectives})
+    return sorted({(c.op, str(c.dtype), c.of_gradient) for c in collectives})
 
 
 def test_buckets_of_small_members_stay_full_precision():
     kinds = run_ranks(small_members_stay_full_precision, 2)[0]
-    # Quantized buckets (uint8 gathers and all-to-alls), and full-precision ones for the norms,
-    # biases and the 0-d gate, which are smaller than a block per rank.
-    assert ("all_gather", "torch.uint8") in kinds and ("all_gather", "torch.float32") in kinds
-    assert ("all_to_all", "torch.uint8") in kinds and ("reduce_scatter", "torch.float32") in kinds
+    # Quantized buckets (uint8 weight gathers and gradient exchanges: between two nodes, an
+    # all-gather of the chunk for the other node), and full-precision ones for the norms, biases
+    # and the 0-d gate, which are smaller than a block per rank.
+    assert ("all_gather", "torch.uint8", False) in kinds and ("all_gather", "torch.float32", False) in kinds
+    assert ("all_gather", "torch.uint8", True) in kinds and ("reduce_scatter", "torch.float32", True) in kinds
 
 
 # ----------------------------------------------------------------------------- the memory bound

@@ -111,7 +111,8 @@ class GraphDump:
             if group is None:
                 continue
             same, other = topology.peers_by_link(group)
-            records.append(CollectiveRecord(op, group, dtype, same * per_peer, other * per_peer))
+            of_gradient = node.target is zpp.reduce_grad.default
+            records.append(CollectiveRecord(op, group, dtype, same * per_peer, other * per_peer, of_gradient))
         return records
 
     def _schedule(self, graph_name: str, graph: fx.Graph) -> str:
