@@ -10,7 +10,10 @@ import torch.fx as fx
 
 import zpp_compile as zpp
 from zpp_compile import pass_manager
+from zpp_compile.passes import PassContext, schedule_overlap
 from zpp_compile.passes.fx_util import ancestors
+from zpp_compile.runtime.ledger import collectives_by_node, phase_of
+from zpp_compile.runtime.topology import Group, Topology
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 from test_zero3 import PER_RANK, STEPS, train, train_sharded
@@ -71,6 +74,63 @@ def test_buckets_of_small_members_stay_full_precision():
     # and the 0-d gate, which are smaller than a block per rank.
     assert ("all_gather", "torch.uint8", False) in kinds and ("all_gather", "torch.float32", False) in kinds
     assert ("all_gather", "torch.uint8", True) in kinds and ("reduce_scatter", "torch.float32", True) in kinds
+
+
+# ------------------------------------------------------- gradient all-gathers, on a small graph
+
+
+def small_backward_graph() -> fx.Graph:
+    """Two weight gathers (of graph inputs), then two gradient exchanges that are all-gathers too
+    (as between two nodes), in the order a tracer emits them: each collective waited for at once."""
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    graph = fx.Graph()
+    shards = [graph.placeholder(f"primals_{i}") for i in (1, 2)]
+    tangent = graph.placeholder("tangents_1")
+    for node in (*shards, tangent):
+        node.meta["val"] = torch.empty(4, 4)
+
+    def exchange(x: fx.Node, name: str) -> fx.Node:
+        issued = graph.call_function(c10d.all_gather_into_tensor.default, (x, 2, "0"), name=name)
+        return graph.call_function(c10d.wait_tensor.default, (issued,), name=f"wait_{name}")
+
+    def matmul(a: fx.Node, b: fx.Node, name: str) -> fx.Node:
+        node = graph.call_function(aten.mm.default, (a, b), name=name)
+        node.meta["val"] = torch.empty(4, 4)
+        return node
+
+    weight_1 = exchange(shards[0], "gather_1")
+    hidden = matmul(tangent, weight_1, "hidden")
+    weight_2 = exchange(shards[1], "gather_2")
+    grad_2 = matmul(hidden, weight_2, "grad_2")
+    reduced_2 = exchange(grad_2, "exchange_2")
+    grad_1 = matmul(tangent, hidden, "grad_1")
+    reduced_1 = exchange(grad_1, "exchange_1")
+    graph.output((reduced_1, reduced_2))
+    return graph
+
+
+def test_gradient_all_gathers_are_scheduled_as_reductions():
+    graph = small_backward_graph()
+    schedule_overlap(graph, PassContext(zpp.Config(prefetch=1), None, "g0.backward", "backward"))
+    order = [n.name for n in graph.nodes if n.op == "call_function"]
+    position = order.index
+    # The second weight gather is prefetched: issued before the first one is waited for.
+    assert position("gather_2") < position("wait_gather_1")
+    # The first gradient exchange is waited for only when the next one is issued, not before
+    # the gradient that follows is computed; a weight gather's treatment (issue the next one
+    # ahead of this one's wait) would put exchange_1 before wait_exchange_2.
+    assert position("grad_1") < position("wait_exchange_2") < position("exchange_1")
+
+
+def test_the_ledger_counts_gradient_all_gathers_as_gradient_reduction():
+    world = Group("0", (0, 1))  # 2 nodes of 1 rank: every peer is on the other node
+    topology = Topology(0, 2, 1, torch.device("cpu"), world, Group("1", (0,)), world, None, None)
+    records = collectives_by_node(small_backward_graph(), topology)
+    phases = {node.name: phase_of("backward", record) for node, record in records.items()}
+    assert phases == {"gather_1": "backward weight gather", "gather_2": "backward weight gather",
+                      "exchange_2": "gradient reduction", "exchange_1": "gradient reduction"}
+    # Each peer sends its whole 16-float input: 64 bytes from the other node per collective.
+    assert {(r.intra_bytes, r.inter_bytes) for r in records.values()} == {(0, 64)}
 
 
 # ----------------------------------------------------------------------------- the memory bound
