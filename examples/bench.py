@@ -10,6 +10,7 @@ Variants (each a fresh model from the same seed, trained on the same batches):
     fsdp2_bf16_reduce  FSDP2, reshard after forward, bf16 reduction
     fsdp2_no_reshard   FSDP2, weights kept from forward to backward, bf16 reduction
     zero3 qwz hpz qgz all3   zeropp: plain ZeRO-3, each technique alone, all three
+    zero3_graphs all3_graphs zero3 and all3 with Config.cuda_graphs (GPUs only)
 
 FSDP2 is `fully_shard` per block and on the root, bf16 parameters, each block compiled (as
 torchtitan does); zeropp is `zpp_compile.shard` with bf16 parameters and the whole step under
@@ -84,6 +85,7 @@ class Variant:
 def all_variants(hpz_size: int, zpp_reduce: torch.dtype) -> dict[str, Variant]:
     bf16, fp32 = torch.bfloat16, torch.float32
     qwz, hpz, qgz = {"quantized_weights": True}, {"hpz_partition_size": hpz_size}, {"quantized_gradients": True}
+    graphs = {"cuda_graphs": True}
     variants = [
         Variant("fsdp2", "FSDP2 reshard, fp32 reduce (default)", "fsdp2", False, fp32),
         Variant("fsdp2_bf16_reduce", "FSDP2 reshard, bf16 reduce", "fsdp2", False, bf16),
@@ -93,6 +95,9 @@ def all_variants(hpz_size: int, zpp_reduce: torch.dtype) -> dict[str, Variant]:
         Variant("hpz", f"zeropp hpZ={hpz_size}", "zeropp", True, zpp_reduce, hpz),
         Variant("qgz", "zeropp qgZ", "zeropp", False, zpp_reduce, qgz),
         Variant("all3", f"zeropp qwZ+hpZ={hpz_size}+qgZ", "zeropp", True, zpp_reduce, {**qwz, **hpz, **qgz}),
+        Variant("zero3_graphs", "zeropp ZeRO-3, CUDA graphs", "zeropp", False, zpp_reduce, graphs),
+        Variant("all3_graphs", f"zeropp qwZ+hpZ={hpz_size}+qgZ, CUDA graphs", "zeropp", True, zpp_reduce,
+                {**qwz, **hpz, **qgz, **graphs}),
     ]
     return {v.name: v for v in variants}
 
@@ -112,7 +117,7 @@ def _option(text: str) -> tuple[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated subset of {VARIANT_NAMES}")
+    p.add_argument("--variants", help=f"comma-separated subset of {VARIANT_NAMES} (default: all; CUDA graphs: GPUs, Inductor)")
     p.add_argument("--dim", type=int, help="model width (default 2048 on GPUs, 64 on CPU)")
     p.add_argument("--layers", type=int, help="blocks (default 12 on GPUs, 2 on CPU)")
     p.add_argument("--heads", type=int, help="attention heads (default 16 on GPUs, 2 on CPU)")
@@ -135,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--png", help="write a bar chart here (rank 0; needs matplotlib)")
     args = p.parse_args(argv)
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANT_NAMES))
+    unknown = sorted(set((args.variants or "").split(",")) - set(VARIANT_NAMES) - {""})
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
     args.zpp_option = dict(args.zpp_option)
@@ -153,6 +158,8 @@ def fill_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
     for key, value in (gpu if on_gpu else cpu).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    graphs = on_gpu and args.compile_mode == "inductor"  # what Config.cuda_graphs needs
+    args.variants = args.variants or ",".join(n for n in VARIANT_NAMES if graphs or not n.endswith("_graphs"))
 
 
 # ----------------------------------------------------------------------------- building a variant
@@ -412,6 +419,7 @@ def comm_bytes(variant: Variant, model: nn.Module, world: int, ranks_per_node: i
 
 def release_memory(device: torch.device) -> None:
     """Frees the finished variant's compiled graphs and tensors before the next one is measured."""
+    zpp.release_cuda_graphs()
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":

@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.png:
             plot(runs, f"GPT d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq x {world} ranks, "
                        f"{args.steps} steps: final-loss gap {summary['final_loss_gap']:+.4f} nats", args.png)
+    zpp.release_cuda_graphs()  # with Config.cuda_graphs: a captured NCCL collective blocks the teardown
     dist.destroy_process_group()
     return summary
 

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> float:
                      f"comm/step/rank {intra / 1e6:.2f} MB intra-node + {inter / 1e6:.2f} MB inter-node{held}")
     if rank == 0:
         print()
+    zpp.release_cuda_graphs()  # with Config.cuda_graphs: a captured NCCL collective blocks the teardown
     dist.destroy_process_group()
     return loss_value
 

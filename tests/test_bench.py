@@ -58,7 +58,8 @@ def qwz_gather_bytes(s: int) -> int:
 
 def test_every_variant_ran(bench_json):
     results = {r["name"]: r for r in bench_json["variants"]}
-    assert tuple(results) == VARIANT_NAMES
+    graphs = bench_json["setup"]["device"] != "cpu"  # the CUDA-graph variants need GPUs
+    assert tuple(results) == tuple(n for n in VARIANT_NAMES if graphs or not n.endswith("_graphs"))
     for r in results.values():
         assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["ms_per_step"] > 0, r
         if bench_json["setup"]["device"] == "cpu":

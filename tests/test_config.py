@@ -50,6 +50,7 @@ def test_json_round_trip(tmp_path):
         ({"inductor_options": {"combo_kernel": True}},
          "Config.inductor_options: 'combo_kernel' is not a torch._inductor.config setting; did you mean 'combo_kernels'"),
         ({"inductor_options": 3}, "Config.inductor_options=3 must map Inductor setting names to values"),
+        ({"cuda_graphs": True, "inductor": False}, "Config.cuda_graphs=True needs Inductor"),
     ],
 )
 def test_bad_values_name_key_value_and_range(values, message):

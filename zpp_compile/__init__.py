@@ -5,6 +5,7 @@
 """
 
 from .config import Config, ConfigError
+from .runtime.cuda_graphs import release_cuda_graphs
 from .runtime.ledger import CommReport
 from .runtime.registry import REGISTRY
 from .grad_sync import no_sync, set_requires_gradient_sync
@@ -32,4 +33,5 @@ def comm_report() -> CommReport:
 __all__ = [
     "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
     "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
+    "release_cuda_graphs",
 ]

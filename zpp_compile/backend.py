@@ -11,6 +11,7 @@ rewritten graphs execute without Inductor.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -24,6 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Config
 from .pass_manager import PassManager
+from .runtime.cuda_graphs import graphed_inner_compile
 from .runtime.registry import REGISTRY, ShardingState
 
 
@@ -51,7 +53,20 @@ def zeropp_backend(
         # the schedule already bounds.
         patches["reorder_for_peak_memory"] = False
     patches.update(config.inductor_options)
+    if config.cuda_graphs:
+        _check_on_cuda(example_inputs)
+        inner = functools.partial(graphed_inner_compile, timeout_s=config.collective_timeout_s)
+        return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _check_on_cuda(example_inputs: Sequence[Any]) -> None:
+    devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    if devices != {"cuda"}:
+        raise RuntimeError(
+            f"Config.cuda_graphs=True needs the model and its inputs on CUDA, but the compiled step reads tensors "
+            f"on {sorted(devices - {'cuda'})}; move them to the GPU or set cuda_graphs=False"
+        )
 
 
 def _sharding_state(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> ShardingState | None:

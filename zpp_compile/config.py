@@ -97,13 +97,16 @@ class Config:
     # Inductor settings for zeropp's graphs, as torch._inductor.config names (e.g.
     # {"max_autotune": True}); applied on top of the ones the backend sets. Kept as sorted pairs.
     inductor_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
+    # Replay each compiled forward and backward as a CUDA graph: the host issues one call per graph
+    # instead of every kernel and collective (CUDA and Inductor only; static shapes).
+    cuda_graphs: bool = False
     disable_passes: tuple[str, ...] = ()
     dump_dir: str | None = None
     collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for key in ("quantized_weights", "quantized_gradients", "reshard_after_forward", "inductor"):
+        for key in ("quantized_weights", "quantized_gradients", "reshard_after_forward", "inductor", "cuda_graphs"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"Config.{key}={getattr(self, key)!r} must be True or False")
         for key in ("weight_block_size", "gradient_block_size"):
@@ -124,6 +127,8 @@ class Config:
             raise ConfigError(f"Config.bucket_size={self.bucket_size!r} must be a number of bytes >= 0")
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise ConfigError(f"Config.prefetch={self.prefetch!r} must be an integer >= 0")
+        if self.cuda_graphs and not self.inductor:
+            raise ConfigError("Config.cuda_graphs=True needs Inductor; drop inductor=False or cuda_graphs=True")
         if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s <= 0:
             raise ConfigError(
                 f"Config.collective_timeout_s={self.collective_timeout_s!r} must be a positive number of seconds"
