@@ -2,8 +2,10 @@
 
 A zeropp step is bound by the host: hundreds of kernel launches plus a few dozen collective and
 quantization calls per step, each issued from Python. Captured once, a CUDA graph replays them
-all with one call. Inductor's own CUDA graphs do not hold NCCL collectives, so zeropp wraps each
-graph Inductor compiles itself (as torchtitan does for SimpleFSDP): the first call runs normally
+all with one call. zeropp wraps each graph Inductor compiles itself (as torchtitan does for
+SimpleFSDP), so the collective timeout and the call-order checks below stay in its hands
+(Inductor's own cudagraph trees captured these graphs too in a first trial: PERFORMANCE.md,
+"CUDA graphs"). The first call runs normally
 (warmup: Triton compiles, NCCL communicators come up); the second call captures and replays;
 later calls copy the inputs that move (the batch, incoming gradients) into the captured ones and
 replay.
