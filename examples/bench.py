@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--png", help="write a bar chart here (rank 0; needs matplotlib)")
     args = p.parse_args(argv)
-    unknown = sorted(set((args.variants or "").split(",")) - set(VARIANT_NAMES) - {""})
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANT_NAMES)) if args.variants else []
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
     args.zpp_option = dict(args.zpp_option)

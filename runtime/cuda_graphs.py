@@ -102,6 +102,7 @@ class GraphedCallable:
         self.static_addresses: dict[int, int] = {}
         self.moving_buffers: dict[int, torch.Tensor] = {}  # the graph reads the moving inputs from these
         self.outputs: list[Any] = []
+        self.activations: set[int] = set()  # for a forward: storages of the outputs its graph allocated
         self.forward: GraphedCallable | None = None  # for a backward: the forward whose outputs it reads
         self.backward_pending = False  # for a forward: its saved activations still await their backward
 
@@ -124,20 +125,24 @@ class GraphedCallable:
 
     def release(self) -> None:
         """Drops the captured graph and its memory; the next call captures again."""
-        self.graph, self.pool, self.outputs, self.forward = None, None, [], None
+        self.graph, self.pool, self.outputs, self.activations, self.forward = None, None, [], set(), None
         self.static_addresses, self.moving_buffers, self.backward_pending = {}, {}, False
 
     def _capture(self, inputs: list[Any]) -> list[Any]:
         """Captures the graph; returns this call's outputs (replayed by the caller)."""
         self.static_addresses = {i: inputs[i].data_ptr() for i in self.static_inputs}
         self.moving_buffers = {i: inputs[i].clone() for i in self.moving_inputs}
-        self.forward = _producer(self.static_addresses.values()) if not self.saves_activations else None
-        self.pool = self.forward.pool if self.forward is not None else torch.cuda.graph_pool_handle()
         captured = [self.moving_buffers.get(i, x) for i, x in enumerate(inputs)]
         inputs.clear()  # the compiled graph now holds the only references: it frees what it no longer needs
+        own_storages = {_storage(x) for x in captured}
+        if self.name == "backward":
+            self.forward = _producer(own_storages)
+        self.pool = self.forward.pool if self.forward is not None else torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.pool, stream=REGISTRY.cuda_graphs.stream):
             outputs = list(self.compiled(captured))
+        if self.saves_activations:  # not the inputs it passes through (parameters saved for backward)
+            self.activations = {_storage(x) for x in outputs} - own_storages - {None}
         # The forward keeps no hold on the activations it saves: the backward's capture frees them.
         # It returns them on later calls through views that do not own their memory.
         self.outputs = [
@@ -191,13 +196,15 @@ def _unowned_view(x: Any) -> Any:
     return raw.view(x.dtype).as_strided(x.shape, x.stride(), x.storage_offset())
 
 
-def _producer(addresses: Any) -> GraphedCallable | None:
-    """The captured training forward one of whose outputs lies at one of these addresses."""
-    wanted = set(addresses)
+def _storage(x: Any) -> int | None:
+    return x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else None
+
+
+def _producer(storages: set[int | None]) -> GraphedCallable | None:
+    """The captured training forward whose graph allocated one of these storages (a backward's
+    saved activations)."""
     for graphed in REGISTRY.cuda_graphs.graphs:
-        if graphed.saves_activations and graphed.graph is not None and any(
-            isinstance(x, torch.Tensor) and x.data_ptr() in wanted for x in graphed.outputs
-        ):
+        if graphed.activations & storages:
             return graphed
     return None
 

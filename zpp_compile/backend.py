@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Config
@@ -53,11 +53,11 @@ def zeropp_backend(
         # the schedule already bounds.
         patches["reorder_for_peak_memory"] = False
     patches.update(config.inductor_options)
+    inner_compile = compile_fx_inner
     if config.cuda_graphs:
         _check_on_cuda(example_inputs)
-        inner = functools.partial(graphed_inner_compile, timeout_s=config.collective_timeout_s)
-        return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+        inner_compile = functools.partial(graphed_inner_compile, timeout_s=config.collective_timeout_s)
+    return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner_compile)
 
 
 def _check_on_cuda(example_inputs: Sequence[Any]) -> None:
