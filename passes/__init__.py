@@ -15,7 +15,7 @@ from .schedule_overlap import schedule_overlap
 
 PASSES: tuple[GraphPass, ...] = (
     GraphPass("bucket_collectives", "joint", bucket_collectives,
-              wanted=lambda config: config.bucket_size > 0),
+              wanted=lambda config: config.bucket_size != 0),
     GraphPass("reshard_after_forward", "joint", reshard_after_forward,
               wanted=lambda config: config.reshard_after_forward),
     GraphPass("hierarchical_partition", "joint", hierarchical_partition,

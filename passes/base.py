@@ -25,6 +25,7 @@ class PassContext:
     topology: Any  # zpp_compile.runtime.topology.Topology
     graph_name: str  # e.g. "g0.backward"
     kind: str  # "joint", "forward", "backward" or "inference"
+    layers: tuple[str, ...] = ()  # qualified names of the model's layers (ShardingState.layers)
 
 
 @dataclass(frozen=True)

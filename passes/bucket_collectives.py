@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,9 @@ from .quantize_gradients import gradient_block_size
 from .quantize_weights import weight_block_size
 
 
+_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argument: L['self']
+
+
 @dataclass
 class _Bucket:
     key: tuple
@@ -23,10 +27,13 @@ class _Bucket:
 
 
 def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
-    """Merges consecutive gathers, and consecutive reductions, into one per `bucket_size` bytes.
+    """Merges consecutive gathers, and consecutive reductions, into one per `bucket_size` bytes,
+    never across the boundary of two layers of the model (so with bucket_size="layer" each layer
+    is one bucket, as each block is one FSDP unit).
 
-    Each bucket becomes one `zpp.all_gather_param` or one `zpp.reduce_grad`. A gather bucket concatenates its members' shards (each padded to its own shard size), gathers
-    them at once and cuts every member's weight out of the gathered rows; a reduction bucket lays
+    Each bucket becomes one `zpp.all_gather_param` or one `zpp.reduce_grad`. A gather bucket
+    concatenates its members' shards (each padded to its own shard size), gathers them at once
+    and cuts every member's weight out of the gathered rows; a reduction bucket lays
     its members' gradients side by side per destination rank, so one reduce-scatter hands each
     rank all of its shards. Buckets are still IR ops, so every later pass (reshard, hpZ, qwZ, qgZ)
     acts on whole buckets: one quantize kernel, one collective (codes and scales together) and
@@ -37,11 +44,23 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     """
     size = ctx.config.bucket_size
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
-    for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config)):
+    layer_of = lambda n: _layer_of(n, ctx.layers)  # noqa: E731
+    for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config), layer_of):
         _merge_gathers(graph, bucket)
     reductions = nodes_calling(graph, torch.ops.zpp.reduce_grad.default)
-    for bucket in _buckets(reductions, size, lambda n: _reduce_key(n, ctx.config)):
+    for bucket in _buckets(reductions, size, lambda n: _reduce_key(n, ctx.config), layer_of):
         _merge_reductions(graph, bucket)
+
+
+def _layer_of(node: fx.Node, layers: tuple[str, ...]) -> str | None:
+    """The layer whose forward `node` belongs to (for a gradient reduction: whose forward it
+    differentiates), from the module stack Dynamo records; None outside every layer."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    source = list(stack.values())[-1][0]  # e.g. "L['self'].blocks.0.attn"
+    path = "." + re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", _ROOT.sub("", source)).strip(".") + "."
+    return next((layer for layer in layers if layer and f".{layer}." in path), None)
 
 
 def _gather_key(node: fx.Node, config: Any) -> tuple:
@@ -69,12 +88,18 @@ def _nbytes(node: fx.Node) -> int:
     return value.numel() * value.element_size()
 
 
-def _buckets(nodes: list[fx.Node], size: int, key_of) -> list[_Bucket]:
-    """Groups `nodes` (in graph order) into buckets of equal key and at most `size` bytes each
-    (a node larger than `size` gets a bucket of its own). Buckets of one node are left alone."""
+def _buckets(nodes: list[fx.Node], size: int, key_of, layer_of) -> list[_Bucket]:
+    """Groups `nodes` (in graph order) into buckets of equal key and layer and at most `size`
+    bytes each (a node larger than `size` gets a bucket of its own). Buckets of one node are
+    left alone."""
     done: list[_Bucket] = []
     open_buckets: dict[tuple, _Bucket] = {}
+    layer = None
     for node in nodes:
+        if layer_of(node) != layer:
+            done.extend(open_buckets.values())
+            open_buckets.clear()
+            layer = layer_of(node)
         key, nbytes = key_of(node), _nbytes(node)
         bucket = open_buckets.get(key)
         if bucket is not None and bucket.nbytes + nbytes > size:

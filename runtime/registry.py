@@ -3,7 +3,7 @@
 It remembers what outlives a single call: the process groups built for each topology (creating
 them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
 what settings, the module classes that gather their parameters, and the collectives each compiled
-graph issues (the communication ledger), and the CUDA graphs of Config.cuda_graphs.
+graph issues (the communication ledger), and the thread that watches Config.cuda_graphs' calls.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class ShardingState:
     config: Any  # zpp_compile.Config
     topology: Topology
     padded_numel: int  # elements of its distinct parameters, padded to equal shards (the paper's M / 2)
+    layers: tuple[str, ...]  # qualified names of its layers (buckets never span two)
+    layer_nbytes: int  # gathered bytes of its largest layer (Config.bucket_size="layer")
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Registry:
     gathering_classes: dict[tuple[type, frozenset[str]], type] = field(default_factory=dict)
     ledger: list[GraphComm] = field(default_factory=list)  # in compile order
     graph_ids: itertools.count = field(default_factory=itertools.count)
-    cuda_graphs: Any = None  # runtime.cuda_graphs.CudaGraphState, made by the first graphed compilation
+    cuda_graph_watch: Any = None  # runtime.cuda_graphs.CallWatch, made by the first graphed compilation
 
     def add_state(self, state: ShardingState) -> int:
         """Registers the state of one `shard` call; returns its sharding id."""

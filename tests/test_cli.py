@@ -75,10 +75,10 @@ def test_dump_has_before_and_after_of_every_enabled_pass(paper_run):
     assert [r["op"] for r in summary["collectives_before"]] == ["zpp.reduce_grad"]
     after = [(r["op"], r["dtype"], r["of_gradient"]) for r in summary["collectives_after"]]
     assert after == [("all_gather", "uint8", True)]
-    # Both layers' gradients share one bucket: one reduction, one quantize kernel, one exchange.
-    assert summary["added"]["zpp.qgz_quantize.default"] == summary["removed"]["zpp.reduce_grad.default"] == 1
+    # One bucket per layer (the default): per layer one reduction, one quantize kernel, one exchange.
+    assert summary["added"]["zpp.qgz_quantize.default"] == summary["removed"]["zpp.reduce_grad.default"] == 2
     schedule = (paper_run / "dump" / "rank0" / "g0.backward.schedule.txt").read_text()
-    assert schedule.count(" issue ") == schedule.count(" wait ") == 1 and "compute" in schedule
+    assert schedule.count(" issue ") == schedule.count(" wait ") == 2 and "compute" in schedule
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -51,6 +51,7 @@ def test_json_round_trip(tmp_path):
          "Config.inductor_options: 'combo_kernel' is not a torch._inductor.config setting; did you mean 'combo_kernels'"),
         ({"inductor_options": 3}, "Config.inductor_options=3 must map Inductor setting names to values"),
         ({"cuda_graphs": True, "inductor": False}, "Config.cuda_graphs=True needs Inductor"),
+        ({"bucket_size": "layers"}, "Config.bucket_size='layers' must be 'layer' or a number of bytes >= 0"),
     ],
 )
 def test_bad_values_name_key_value_and_range(values, message):

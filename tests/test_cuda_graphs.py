@@ -1,15 +1,18 @@
-"""CUDA graphs (Config.cuda_graphs): on GPUs, the same training as without and outputs that stay valid; on CPU, a clear error."""
+"""CUDA graphs (Config.cuda_graphs): on GPUs, the same training as without, replayed graphs and
+outputs that stay valid; on CPU, a clear error."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import zpp_compile as zpp
 from distributed import BACKEND, device, run_ranks
 from models import TinyTransformer, batches
 from test_zero3 import PER_RANK
-from zpp_compile.runtime.registry import REGISTRY
 
 on_gpus = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA graphs need GPUs (ZPP_TEST_BACKEND=nccl)")
 
@@ -19,83 +22,67 @@ ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_
              "quantized_gradients": True, "gradient_block_size": 32, "ranks_per_node": 1}
 
 
-def train(rank: int, world_size: int, options: dict, steps: int = 4, accumulate: int = 1) -> tuple:
-    """Losses (kept as tensors until the end: they must stay valid), final parameters, the
-    gradients of the last step (cloned before the optimizer runs) and the graphs' replay count."""
+def train(rank: int, world_size: int, options: dict, accumulate: int, evaluate: bool, steps: int = 4) -> tuple:
+    """Losses (kept as tensors until the end: they must stay valid), evaluation losses (a forward
+    under no_grad after each step), final parameters, the gradients of the last step (cloned
+    before the optimizer runs), and the CUDA runtime calls of the last step."""
     torch.manual_seed(0)
     model = zpp.shard(TinyTransformer().to(device()), zpp.Config(**options))
     step_fn = torch.compile(model, backend="zeropp", dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, grads = [], []
-    for tokens, targets in batches(steps * accumulate, world_size):
-        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        loss = step_fn(tokens[mine].to(device()), targets[mine].to(device()))
-        loss.backward()
-        losses.append(loss)
-        if len(losses) % accumulate == 0:
+    data = batches(steps * accumulate + 1, world_size)
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    held_out = [t[mine].to(device()) for t in data.pop()]
+    losses, eval_losses, grads = [], [], []
+    for step in range(steps):
+        last = step == steps - 1
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if last else nullcontext() as prof:
+            for tokens, targets in data[step * accumulate:(step + 1) * accumulate]:
+                loss = step_fn(tokens[mine].to(device()), targets[mine].to(device()))
+                loss.backward()
+                losses.append(loss)
             grads = [p.grad.to_local().clone() for p in model.parameters() if p.grad is not None]
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if evaluate:
+            with torch.no_grad():
+                eval_losses.append(step_fn(*held_out))
+    calls = {name: sum(e.count for e in prof.key_averages() if e.key.startswith(name))
+             for name in ("cudaGraphLaunch", "cudaStreamBeginCapture")}
     state = {k: v.cpu() for k, v in zpp.full_state_dict(model).items()}
-    graphs = REGISTRY.cuda_graphs.graphs if REGISTRY.cuda_graphs is not None else ()
-    replays = sorted(g.calls - 1 for g in graphs if g.graph is not None)
     zpp.release_cuda_graphs()  # before the process group goes (the harness destroys it)
-    torch._dynamo.reset()
-    return [l.item() for l in losses], state, [g.cpu() for g in grads], replays
+    return ([l.item() for l in losses], [l.item() for l in eval_losses], state, [g.cpu() for g in grads], calls)
 
 
-def compare(rank: int, world_size: int, options: dict, accumulate: int) -> None:
-    plain = train(rank, world_size, options, accumulate=accumulate)
-    graphed = train(rank, world_size, {**options, "cuda_graphs": True}, accumulate=accumulate)
-    steps = len(plain[0])
-    # Every call after the first (warmup) runs the captured graph: forward and backward.
-    assert plain[3] == [] and graphed[3] == [steps - 1, steps - 1], graphed[3]
+def compare(rank: int, world_size: int, options: dict, accumulate: int, evaluate: bool) -> None:
+    plain = train(rank, world_size, options, accumulate, evaluate)
+    graphed = train(rank, world_size, {**options, "cuda_graphs": True}, accumulate, evaluate)
+    # The last step replays a captured graph for every forward and backward, and captures none.
+    assert plain[4]["cudaGraphLaunch"] == 0, plain[4]
+    assert graphed[4] == {"cudaGraphLaunch": 2 * accumulate, "cudaStreamBeginCapture": 0}, graphed[4]
     # The same kernels on the same data; the embedding's backward adds with atomics on CUDA, so
     # results agree to rounding rather than bitwise, in either mode alike.
     close = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(graphed[0]), torch.tensor(plain[0]), **close)
-    for key, value in plain[1].items():
-        torch.testing.assert_close(graphed[1][key], value, **close, msg=lambda m: f"{key}: {m}")
-    for a, b in zip(graphed[2], plain[2]):
+    torch.testing.assert_close(torch.tensor(graphed[1]), torch.tensor(plain[1]), **close)
+    for key, value in plain[2].items():
+        torch.testing.assert_close(graphed[2][key], value, **close, msg=lambda m: f"{key}: {m}")
+    for a, b in zip(graphed[3], plain[3]):
         torch.testing.assert_close(a, b, **close)
 
 
 @pytest.mark.parametrize("options", [{}, ALL_THREE], ids=["zero3", "all3"])
 @on_gpus
 def test_graphed_steps_equal_plain_steps(options):
-    run_ranks(compare, WORLD, options, 1)
+    run_ranks(compare, WORLD, options, 1, False)
 
 
 @on_gpus
-def test_gradient_accumulation_through_graphs():
-    # Two backward passes per step: the second must add to the first's gradient, which a replay
-    # writing into the first's output memory would overwrite.
-    run_ranks(compare, WORLD, {}, 2)
-
-
-def forward_twice(rank: int, world_size: int) -> str:
-    model = zpp.shard(TinyTransformer().to(device()), zpp.Config(cuda_graphs=True))
-    step_fn = torch.compile(model, backend="zeropp", dynamic=False)
-    (tokens, targets), = batches(1, world_size)
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    x, y = tokens[mine].to(device()), targets[mine].to(device())
-    for _ in range(2):  # warmup, then capture
-        step_fn(x, y).backward()
-    step_fn(x, y)
-    try:
-        step_fn(x, y)  # the previous call's activations still await their backward
-    except RuntimeError as error:
-        message = str(error)
-    else:
-        message = ""
-    zpp.release_cuda_graphs()
-    return message
-
-
-@on_gpus
-def test_forward_again_before_backward_is_refused():
-    for message in run_ranks(forward_twice, WORLD):
-        assert "ran again before the backward" in message and "torch.no_grad()" in message
+def test_gradient_accumulation_and_evaluation_through_graphs():
+    # Two backward passes per step: the second must add to the first's gradient, which the next
+    # replay would overwrite if it were still the graph's output. A forward under no_grad between
+    # steps (evaluation) is a graph of its own.
+    run_ranks(compare, WORLD, {}, 2, True)
 
 
 def compile_on_cpu(rank: int, world_size: int) -> str:

@@ -40,8 +40,8 @@ def zeropp_backend(
     if state is None:  # a graph without parameters (e.g. the loss after a graph break)
         config = Config.load(dict(options or {}))
         return compile_fx(gm, example_inputs) if config.inductor else _aot_eager(gm, example_inputs, None)
-    config = state.config.updated(options) if options else state.config
-    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}")
+    config = state.config.updated(options).with_layer_size(state.layer_nbytes) if options else state.config
+    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", state.layers)
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)
     patches = {
@@ -56,6 +56,7 @@ def zeropp_backend(
     inner_compile = compile_fx_inner
     if config.cuda_graphs:
         _check_on_cuda(example_inputs)
+        patches["triton.cudagraphs"] = True
         inner_compile = functools.partial(graphed_inner_compile, timeout_s=config.collective_timeout_s)
     return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner_compile)
 

@@ -85,20 +85,21 @@ class Config:
     reduce_dtype: torch.dtype = torch.float32
     # Gathered weights are re-gathered in backward instead of being kept from forward.
     reshard_after_forward: bool = True
-    # Scheduling: gathered bytes per communication bucket (0 = one collective per parameter) and
-    # how many buckets' gathers may be in flight ahead of the compute that needs them, so at most
-    # (prefetch + 1) x bucket_size gathered bytes are alive at once. Every bucket costs the host a
-    # fixed time (collective launch, quantize and dequantize calls): with all three techniques the
-    # 607M-parameter benchmark GPT ran 43.1 ms/step at 256 MiB, 81.6 at 64 MiB (PERFORMANCE.md).
-    bucket_size: int = 256 << 20
+    # Scheduling: gathered bytes per communication bucket and how many buckets' gathers may be in
+    # flight ahead of the compute that needs them, so at most (prefetch + 1) x bucket_size gathered
+    # bytes are alive at once. "layer": the gathered bytes of the model's largest layer (a child of
+    # its largest nn.ModuleList or nn.Sequential, else of the model), so two layers by default;
+    # 0: one collective per parameter. Every bucket costs the host a fixed time (collective launch,
+    # quantize and dequantize calls), which cuda_graphs takes off the step (PERFORMANCE.md).
+    bucket_size: int | str = "layer"
     prefetch: int = 1
     # Compilation and debugging.
     inductor: bool = True
     # Inductor settings for zeropp's graphs, as torch._inductor.config names (e.g.
     # {"max_autotune": True}); applied on top of the ones the backend sets. Kept as sorted pairs.
     inductor_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
-    # Replay each compiled forward and backward as a CUDA graph: the host issues one call per graph
-    # instead of every kernel and collective (CUDA and Inductor only; static shapes).
+    # Replay each compiled forward and backward as a CUDA graph (Inductor's cudagraph trees): the
+    # host issues one call per graph instead of every kernel and collective (CUDA and Inductor only).
     cuda_graphs: bool = False
     disable_passes: tuple[str, ...] = ()
     dump_dir: str | None = None
@@ -123,8 +124,8 @@ class Config:
             )
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 1):
             raise ConfigError(f"Config.ranks_per_node={self.ranks_per_node!r} must be a positive integer or None")
-        if not _is_int(self.bucket_size) or self.bucket_size < 0:
-            raise ConfigError(f"Config.bucket_size={self.bucket_size!r} must be a number of bytes >= 0")
+        if self.bucket_size != "layer" and (not _is_int(self.bucket_size) or self.bucket_size < 0):
+            raise ConfigError(f"Config.bucket_size={self.bucket_size!r} must be 'layer' or a number of bytes >= 0")
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise ConfigError(f"Config.prefetch={self.prefetch!r} must be an integer >= 0")
         if self.cuda_graphs and not self.inductor:
@@ -195,6 +196,10 @@ class Config:
         merged = {k: v for k, v in self.to_dict().items() if k not in values}
         merged.update(values)
         return Config.from_dict(merged)
+
+    def with_layer_size(self, layer_nbytes: int) -> Config:
+        """This config with bucket_size="layer" replaced by `layer_nbytes`."""
+        return self.updated({"bucket_size": layer_nbytes}) if self.bucket_size == "layer" else self
 
     def with_environment(self) -> Config:
         """This config with the debugging switches of the environment applied (what `zeropp dump`

@@ -44,9 +44,9 @@ def _naming_pass_on_oom(pass_name: str, graph_name: str) -> Iterator[None]:
 class PassManager:
     """The passes for one Dynamo graph (named `graph_id`), applied stage by stage."""
 
-    def __init__(self, config: Config, topology: Topology, graph_id: str) -> None:
+    def __init__(self, config: Config, topology: Topology, graph_id: str, layers: tuple[str, ...] = ()) -> None:
         config = config.with_environment()  # ZEROPP_DUMP_DIR, ZEROPP_DISABLE_PASSES
-        self.config, self.topology, self.graph_id = config, topology, graph_id
+        self.config, self.topology, self.graph_id, self.layers = config, topology, graph_id, layers
         self.passes = enabled_passes(config)
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
         self.joint_done = False
@@ -63,7 +63,7 @@ class PassManager:
             self.run("joint", graph)
         self.joint_done = self.joint_done or stage == "joint"
         kind = "joint" if stage == "joint" else ("backward" if is_backward(graph) else "forward")
-        ctx = PassContext(self.config, self.topology, f"{self.graph_id}.{kind}", kind)
+        ctx = PassContext(self.config, self.topology, f"{self.graph_id}.{kind}", kind, self.layers)
         self.model = self.model or self._sharded_model(graph)
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
             before = self.dump.snapshot(graph) if self.dump else None

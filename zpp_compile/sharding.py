@@ -65,7 +65,9 @@ def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = No
     _check_same_on_every_rank(model, config)
     topology = _topology(config)
     padded_numel = sum(_shard_size(p, topology.world.size) * topology.world.size for p in model.parameters())
-    state = ShardingState(config, topology, padded_numel)
+    layers = _layers(model)
+    layer_nbytes = max(_gathered_nbytes(layer, config, topology.world.size) for layer in layers.values())
+    state = ShardingState(config.with_layer_size(layer_nbytes), topology, padded_numel, tuple(layers), layer_nbytes)
     sharding_id = REGISTRY.add_state(state)
     sharded: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -111,6 +113,24 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             value = value.full_tensor().reshape(shapes[key])
         out[key] = value
     return out
+
+
+def _layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's layers by qualified name: the children of its largest nn.ModuleList or
+    nn.Sequential (the repeated blocks, which FSDP users shard one by one), else its children."""
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    containers = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.Sequential)) and numel(m)]
+    if not containers:
+        return dict(model.named_children()) or {"": model}
+    prefix, container = max(containers, key=lambda item: numel(item[1]))
+    return {f"{prefix}.{name}".lstrip("."): layer for name, layer in container.named_children()}
+
+
+def _gathered_nbytes(module: nn.Module, config: Config, world_size: int) -> int:
+    """Bytes of `module`'s parameters as gathered: in param_dtype, rows padded to whole shards."""
+    return sum(_shard_size(p, world_size) * world_size * (config.param_dtype or p.dtype).itemsize
+               for p in module.parameters())
 
 
 def _check_same_on_every_rank(model: nn.Module, config: Config) -> None:
