@@ -7,10 +7,13 @@ import re
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import zpp_compile as zpp
 from zpp_compile import pass_manager
 from zpp_compile.passes import PassContext, schedule_overlap
+from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
 from zpp_compile.runtime.ledger import collectives_by_node, phase_of
 from zpp_compile.runtime.topology import Group, Topology
@@ -74,6 +77,38 @@ def test_buckets_of_small_members_stay_full_precision():
     # and the 0-d gate, which are smaller than a block per rank.
     assert ("all_gather", "torch.uint8", False) in kinds and ("all_gather", "torch.float32", False) in kinds
     assert ("all_gather", "torch.uint8", True) in kinds and ("reduce_scatter", "torch.float32", True) in kinds
+
+
+# ------------------------------------------------------------- layer boundaries, on a small graph
+
+
+def gathers_by_bucket(sources: list[str | None], layers: tuple[str, ...]) -> list[list[str]]:
+    """Bucketing (1 GiB buckets) of one gather per module path in `sources` (None: no module
+    stack); returns the shards each resulting gather reads."""
+    fake, gather = FakeTensorMode(), torch.ops.zpp.all_gather_param.default
+    graph, outputs = fx.Graph(), []
+    for i, source in enumerate(sources):
+        shard = graph.placeholder(f"shard_{i}")
+        shard.meta["val"] = fake.from_tensor(torch.empty(8))
+        node = graph.call_function(gather, (shard, 8, 2, "0", torch.float32, torch.float32, 0))
+        node.meta["val"] = fake.from_tensor(torch.empty(16))
+        if source is not None:
+            node.meta["nn_module_stack"] = {"module": (source, nn.Linear)}
+        outputs.append(node)
+    graph.output(tuple(outputs))
+    bucket_collectives(graph, PassContext(zpp.Config(bucket_size=1 << 30), None, "g0.joint", "joint", layers))
+    return [sorted(a.name for a in ancestors(n) if a.op == "placeholder")
+            for n in graph.nodes if n.target is gather]
+
+
+def test_a_bucket_never_spans_two_layers():
+    # Dynamo writes module paths as L['self'].blocks.0.qkv (and, in older releases, blocks[0]).
+    sources = ["L['self'].embed", "L['self'].blocks.0.qkv", "L['self'].blocks[0].proj",
+               "L['self'].blocks.1.qkv", "L['self'].blocks.1.fc", None]
+    buckets = gathers_by_bucket(sources, ("blocks.0", "blocks.1"))
+    assert buckets == [["shard_0"], ["shard_1", "shard_2"], ["shard_3", "shard_4"], ["shard_5"]], buckets
+    # The check can fail: without layers, all six fit in one bucket.
+    assert gathers_by_bucket(sources, ()) == [[f"shard_{i}" for i in range(6)]]
 
 
 # ------------------------------------------------------- gradient all-gathers, on a small graph
