@@ -96,10 +96,10 @@ def _buckets(nodes: list[fx.Node], size: int, key_of, layer_of) -> list[_Bucket]
     open_buckets: dict[tuple, _Bucket] = {}
     layer = None
     for node in nodes:
-        if layer_of(node) != layer:
+        if (node_layer := layer_of(node)) != layer:
             done.extend(open_buckets.values())
             open_buckets.clear()
-            layer = layer_of(node)
+            layer = node_layer
         key, nbytes = key_of(node), _nbytes(node)
         bucket = open_buckets.get(key)
         if bucket is not None and bucket.nbytes + nbytes > size:

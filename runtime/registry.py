@@ -27,7 +27,7 @@ class ShardingState:
     topology: Topology
     padded_numel: int  # elements of its distinct parameters, padded to equal shards (the paper's M / 2)
     layers: tuple[str, ...]  # qualified names of its layers (buckets never span two)
-    layer_nbytes: int  # gathered bytes of its largest layer (Config.bucket_size="layer")
+    layer_nbytes: int  # gathered bytes of its largest layer (what Config.bucket_size="layer" means)
 
 
 @dataclass

@@ -40,7 +40,7 @@ def zeropp_backend(
     if state is None:  # a graph without parameters (e.g. the loss after a graph break)
         config = Config.load(dict(options or {}))
         return compile_fx(gm, example_inputs) if config.inductor else _aot_eager(gm, example_inputs, None)
-    config = state.config.updated(options).with_layer_size(state.layer_nbytes) if options else state.config
+    config = (state.config.updated(options) if options else state.config).with_layer_size(state.layer_nbytes)
     manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", state.layers)
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)

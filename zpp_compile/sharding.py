@@ -64,10 +64,10 @@ def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = No
     config = Config.load(config)
     _check_same_on_every_rank(model, config)
     topology = _topology(config)
-    padded_numel = sum(_shard_size(p, topology.world.size) * topology.world.size for p in model.parameters())
+    padded_numel = sum(_padded_numel(p, topology.world.size) for p in model.parameters())
     layers = _layers(model)
     layer_nbytes = max(_gathered_nbytes(layer, config, topology.world.size) for layer in layers.values())
-    state = ShardingState(config.with_layer_size(layer_nbytes), topology, padded_numel, tuple(layers), layer_nbytes)
+    state = ShardingState(config, topology, padded_numel, tuple(layers), layer_nbytes)
     sharding_id = REGISTRY.add_state(state)
     sharded: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -129,8 +129,7 @@ def _layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def _gathered_nbytes(module: nn.Module, config: Config, world_size: int) -> int:
     """Bytes of `module`'s parameters as gathered: in param_dtype, rows padded to whole shards."""
-    return sum(_shard_size(p, world_size) * world_size * (config.param_dtype or p.dtype).itemsize
-               for p in module.parameters())
+    return sum(_padded_numel(p, world_size) * (config.param_dtype or p.dtype).itemsize for p in module.parameters())
 
 
 def _check_same_on_every_rank(model: nn.Module, config: Config) -> None:
@@ -187,6 +186,11 @@ def _shard_size(param: nn.Parameter, world_size: int) -> int:
     rows = param.shape[0] if param.dim() else 1
     row_numel = param[0].numel() if param.dim() else 1
     return math.ceil(rows / world_size) * row_numel
+
+
+def _padded_numel(param: nn.Parameter, world_size: int) -> int:
+    """Elements of `param` as gathered: every rank's shard, padding included."""
+    return _shard_size(param, world_size) * world_size
 
 
 def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int) -> ParamLayout:
