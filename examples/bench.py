@@ -21,7 +21,10 @@ hpZ keeps a full copy, as "no reshard" does).
 
 Each variant is compared with FSDP2 at equal memory: zeropp without hpZ against the best FSDP2
 setting that reshards after forward, zeropp with hpZ against the best FSDP2 setting of all (no
-reshard keeps at least as much as hpZ does). A step is forward + backward + AdamW.
+reshard keeps at least as much as hpZ does). A step is forward + backward + AdamW (fused on GPUs,
+as torchtitan runs it). With --rounds N every variant runs N times, the variants taking turns, and
+its median round is reported: a link whose speed drifts during a launch (the slow link does, by
+tens of percent) then weighs on every variant alike.
 
     tokens/s         all ranks' tokens per step / the slowest rank's step time
     TFLOP/s per GPU  (6 N + 12 L d T) x tokens/s / GPUs: N parameters, L layers, width d,
@@ -125,6 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="sequences per GPU per step (default 2)")
     p.add_argument("--steps", type=int, help="timed steps per variant (default 10 on GPUs, 2 on CPU)")
     p.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3, 1 on CPU)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each variant, taking turns; the median is reported")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for exposed communication (GPU; 0: off)")
     p.add_argument("--trace-dir", help="keep each variant's profiler trace (host and GPU) and op table here (GPU)")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
@@ -143,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.variants.split(",")) - set(VARIANT_NAMES)) if args.variants else []
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give 1 or more")
     args.zpp_option = dict(args.zpp_option)
     try:
         zpp.Config(**args.zpp_option)
@@ -339,7 +345,7 @@ def rank_max(value: float, device: torch.device) -> float:
 
 
 def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[torch.Tensor, torch.Tensor]],
-                env: dict[str, Any]) -> dict[str, Any]:
+                env: dict[str, Any], trace_name: str) -> dict[str, Any]:
     device, world, ranks_per_node = env["device"], env["world"], env["ranks_per_node"]
     cfg = GPTConfig(seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers)
     debug = args.compile_mode == "debug"
@@ -354,7 +360,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
             step_model, model = build_fsdp2(cfg, variant, env["mesh"], "aot_eager" if debug else "inductor")
         else:
             step_model, model = build_zeropp(cfg, variant, ranks_per_node, debug, args.zpp_option)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=device.type == "cuda")
     step_index = 0
 
     def train(steps: int) -> None:
@@ -373,7 +379,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     host_seconds = rank_max(host_seconds, device) / args.steps
     exposed = peer_wait = None
     if device.type == "cuda" and args.profile_steps:
-        trace = os.path.join(args.trace_dir, f"{variant.name}.rank{dist.get_rank()}") if args.trace_dir else None
+        trace = os.path.join(args.trace_dir, f"{trace_name}.rank{dist.get_rank()}") if args.trace_dir else None
         exposed, peer_wait = exposed_and_peer_wait(*profiled_kernels(lambda: train(args.profile_steps), trace))
         exposed, peer_wait = rank_max(exposed, device), rank_max(peer_wait, device)
     peak = rank_max(torch.cuda.max_memory_allocated(), device) if device.type == "cuda" else None
@@ -427,6 +433,12 @@ def release_memory(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- comparing
+
+
+def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median step time (of an even count, the slower middle one), with every run's."""
+    median = sorted(runs, key=lambda r: r["ms_per_step"])[len(runs) // 2]
+    return {**median, "ms_per_step_rounds": [r["ms_per_step"] for r in runs]}
 
 
 def add_comparisons(results: list[dict[str, Any]]) -> None:
@@ -517,7 +529,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "link": "slow (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)" if slow else "default",
         "torch": torch.__version__, "nccl": str(torch.cuda.nccl.version()) if device.type == "cuda" else None,
         "model": {"dim": args.dim, "layers": args.layers, "heads": args.heads, "seq": args.seq, "vocab": 256},
-        "batch_per_gpu": args.batch, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "batch_per_gpu": args.batch, "warmup_steps": args.warmup, "timed_steps": args.steps, "rounds": args.rounds,
         "profile_steps": args.profile_steps if device.type == "cuda" else 0, "compile_mode": args.compile_mode,
         "param_dtype": "bfloat16", "zeropp_reduce_dtype": str(DTYPES[args.zpp_reduce_dtype]).removeprefix("torch."),
         "flops_per_token": "6 N + 12 L d T (N parameters, L layers, d width, T sequence)",
@@ -526,16 +538,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(f"bench: {world} ranks as {world // ranks_per_node} emulated nodes x {ranks_per_node}, {setup['device']}, "
               f"link {setup['link']}, GPT d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq/GPU", flush=True)
 
-    results = []
-    for name in args.variants.split(","):
-        results.append(run_variant(variants[name], args, data, env))
-        if rank == 0:
-            r = results[-1]
-            print(f"  {name:<18} {r['ms_per_step']:8.1f} ms/step (host issues a step in {r['host_ms_per_step']:.1f} ms) "
-                  f"{r['tokens_per_s']:>10,.0f} tokens/s  (warmup with compilation {r['warmup_s']:.1f} s)", flush=True)
+    names = args.variants.split(",")
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for index in range(args.rounds):
+        for name in names:
+            label = f"{name}.round{index}" if args.rounds > 1 else name
+            r = run_variant(variants[name], args, data, env, label)
+            rounds[name].append(r)
+            if rank == 0:
+                print(f"  {label:<24} {r['ms_per_step']:8.1f} ms/step (host issues a step in {r['host_ms_per_step']:.1f} ms) "
+                      f"{r['tokens_per_s']:>10,.0f} tokens/s  (warmup with compilation {r['warmup_s']:.1f} s)", flush=True)
+    results = [median_round(rounds[name]) for name in names]
     add_comparisons(results)
     if rank == 0:
         print(table(results))
+        if args.rounds > 1:
+            for r in results:
+                print(f"  {r['name']:<18} rounds, ms/step: " + ", ".join(f"{ms:.1f}" for ms in r["ms_per_step_rounds"]))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"setup": setup, "variants": results}, f, indent=1)

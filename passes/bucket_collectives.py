@@ -28,8 +28,9 @@ class _Bucket:
 
 def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     """Merges consecutive gathers, and consecutive reductions, into one per `bucket_size` bytes,
-    never across the boundary of two layers of the model (so with bucket_size="layer" each layer
-    is one bucket, as each block is one FSDP unit).
+    never across the boundary of two of `ctx.layers` (with bucket_size="layer" the backend passes
+    the model's layers and sizes buckets by the largest, so each layer is one bucket, as each
+    block is one FSDP unit; with a size in bytes it passes none).
 
     Each bucket becomes one `zpp.all_gather_param` or one `zpp.reduce_grad`. A gather bucket
     concatenates its members' shards (each padded to its own shard size), gathers them at once

@@ -26,7 +26,7 @@ class ShardingState:
     config: Any  # zpp_compile.Config
     topology: Topology
     padded_numel: int  # elements of its distinct parameters, padded to equal shards (the paper's M / 2)
-    layers: tuple[str, ...]  # qualified names of its layers (buckets never span two)
+    layers: tuple[str, ...]  # qualified names of its layers (buckets sized "layer" never span two)
     layer_nbytes: int  # gathered bytes of its largest layer (what Config.bucket_size="layer" means)
 
 

@@ -19,7 +19,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import (VARIANT_NAMES, exposed_and_peer_wait, exposed_communication, nccl_durations,  # noqa: E402
+from bench import (VARIANT_NAMES, exposed_and_peer_wait, exposed_communication, median_round, nccl_durations,  # noqa: E402
                    transfer_only, transfer_times)
 from gpt import GPT, GPTConfig  # noqa: E402
 from distributed import run_ranks  # noqa: E402
@@ -167,3 +167,10 @@ def exposed_and_peer_wait_on(rank: int, world_size: int) -> tuple[float, float]:
 
 def test_ranks_pair_their_collectives():
     assert run_ranks(exposed_and_peer_wait_on, 2) == [(7 / 25, 11 / 25), (7 / 25, 0.0)]
+
+
+def test_the_median_round_is_reported_with_every_round():
+    runs = [{"name": "all3", "ms_per_step": ms} for ms in (140.0, 120.0, 180.0)]
+    assert median_round(runs) == {"name": "all3", "ms_per_step": 140.0, "ms_per_step_rounds": [140.0, 120.0, 180.0]}
+    # Of an even count, the slower of the two middle runs.
+    assert median_round(runs[:2])["ms_per_step"] == 140.0

@@ -229,14 +229,27 @@ def test_prefetch_respects_the_memory_bound():
         assert [n for n, _ in unscheduled] == [1, 1]
 
 
-def test_by_default_two_layers_of_gathered_weights_are_in_flight():
-    # One block's weights as gathered over 2 ranks: rows padded to an even count (0-d: one row).
+def gathered_layer_nbytes() -> int:
+    """One block's weights as gathered over 2 ranks: rows padded to an even count (0-d: one row)."""
     rows = [p.reshape(-1, *p.shape[1:]) for p in Block(24, 2).parameters()]
-    layer_nbytes = sum(-(-r.shape[0] // 2) * 2 * r[0].numel() * r.element_size() for r in rows)
+    return sum(-(-r.shape[0] // 2) * 2 * r[0].numel() * r.element_size() for r in rows)
+
+
+def test_by_default_two_layers_of_gathered_weights_are_in_flight():
+    layer_nbytes = gathered_layer_nbytes()
     for (forward, backward), in run_ranks(scheduled_graphs, 2, [{}]):
         for buckets, nbytes in (forward, backward):
             # At most two layers' weights, and more than one: the next layer's gather is in flight.
             assert layer_nbytes < nbytes <= 2 * layer_nbytes and buckets == 2, (buckets, nbytes, layer_nbytes)
+
+
+def test_a_bucket_size_in_bytes_may_span_layers():
+    bucket_size = 2 * gathered_layer_nbytes()
+    for (forward, backward), in run_ranks(scheduled_graphs, 2, [{"bucket_size": bucket_size}]):
+        for buckets, nbytes in (forward, backward):
+            # More than two layers in flight (buckets cut at each layer would hold one layer
+            # each: two at most), and no more than (prefetch + 1) buckets' worth.
+            assert bucket_size < nbytes <= 2 * bucket_size and buckets == 2, (buckets, nbytes, bucket_size)
 
 
 def generated_issue_order(rank: int, world_size: int, configs: list[dict]) -> list[list[list[tuple[str, str]]]]:

@@ -40,8 +40,11 @@ def zeropp_backend(
     if state is None:  # a graph without parameters (e.g. the loss after a graph break)
         config = Config.load(dict(options or {}))
         return compile_fx(gm, example_inputs) if config.inductor else _aot_eager(gm, example_inputs, None)
-    config = (state.config.updated(options) if options else state.config).with_layer_size(state.layer_nbytes)
-    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", state.layers)
+    config = state.config.updated(options) if options else state.config
+    # Buckets keep to layer boundaries only when sized by layer; a size in bytes may span layers.
+    layers = state.layers if config.bucket_size == "layer" else ()
+    config = config.with_layer_size(state.layer_nbytes)
+    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers)
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)
     patches = {
