@@ -57,7 +57,7 @@ def _layer_of(node: fx.Node, layers: tuple[str, ...]) -> str | None:
     """The layer whose forward `node` belongs to (for a gradient reduction: whose forward it
     differentiates), from the module stack Dynamo records; None outside every layer."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    if not stack:
+    if not layers or not stack:  # no layers to keep to (bucket_size in bytes): skip the parsing
         return None
     source = list(stack.values())[-1][0]  # e.g. "L['self'].blocks.0.attn"
     path = "." + re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", _ROOT.sub("", source)).strip(".") + "."
