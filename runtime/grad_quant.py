@@ -30,10 +30,10 @@ Quantization (identical, bit for bit, in the Triton kernels and in the torch twi
     absmax  = max |x| over the block's finite values (float32; bf16/fp16 inputs are upcast exactly)
     scale   = absmax / q                       IEEE float32 division (round to nearest even)
     inv     = min(q / absmax, FLT_MAX)         IEEE float32 division; 0 when absmax == 0
-    code    = rint(x * inv)                    float32 product, rint = round half to even
+    code    = rint(x * inv)                    of the exact product, rint = round half to even
     value   = code * scale                     float32 product
 
-``|x * inv| <= q (1 + 2**-24)**2 < q + 1/2``, so ``code`` never leaves ``[-q, q]`` (the twin
+``|x * inv| <= q (1 + 2**-24) < q + 1/2``, so ``code`` never leaves ``[-q, q]`` (the twin
 clamps anyway; it never triggers). One division per block, not per element, keeps the kernels
 memory bound. Error per element: ``|value - x| <= scale * (0.5 + 4 q 2**-24) < scale *
 (0.5 + 2**-15)``; the tests use ``(0.5 + 2**-12) * scale``. The FLT_MAX clamp only matters for
@@ -83,21 +83,22 @@ The two reduction kernels load and sum their sources alike (``_tl_load_tile``,
 the FFMA takes the block's scale as loaded (no scaled copies of it, no exactness condition on it:
 subnormal scales stay on the fast path); INT8 codes are read as 16-byte vectors.
 ``qgz_reduce_requantize`` reads K sources per output element: there instructions and load
-latency show. Its grid is persistent: ``programs_per_sm`` programs
-per SM, split over the pieces, walk the full tiles of their piece (unmasked), each issuing the
-next tile's loads (all sources, 16-byte vectors) before the current tile's arithmetic, so that
-a program's loads are in flight while it computes; a piece's partial last tile comes after the
-loop. A thread holds ``elems_per_thread`` elements, so that the prefetched words fit in
-registers. Packing multiplies by a run-time 16 or 256 (IMAD chains): LLVM would distribute
-constant shifts over the sums, costing more instructions.
+latency show. Its grid is persistent: ``programs_per_sm`` programs per SM, split over the
+pieces, all resident at once (the launcher caps their registers to fit), walk the full tiles of
+their piece (unmasked), each issuing the next tile's loads (all sources, 16-byte vectors) before
+the current tile's arithmetic, so that a program's loads are in flight while it computes; a
+piece's partial last tile comes after the loop. A thread holds ``elems_per_thread`` elements,
+so that the prefetched words fit in registers. Packing multiplies by a run-time 16 or 256 (IMAD
+chains): LLVM would distribute constant shifts over the sums, costing more instructions.
 
-Measured (H200, 256 MB gradient, 2 nodes x 4 ranks, block 256, see the benchmark):
-``qgz_quantize`` runs at copy bandwidth. ``qgz_reduce_requantize`` does not reach the target
-everywhere: INT8 > INT8 87% of copy (at 16 elements per thread; 80% at 32), INT8 > INT4 81% (at
-32 elements per thread), INT4 > INT4 68%. With INT4 sources it is bound by the instruction issue
-rate (sm_90 SASS: ~18.5 instructions per output element with 4 sources, 12.5 of them the decode
--- LOP3, FADD, FFMA per code and source, one shift per word: the floor of this exact
-decode-and-fma scheme -- against ~24 that an H200 issues in the time of a copy).
+Measured (H200, 2 nodes x 4 ranks, block 256, against a copy of the same bytes, see the
+benchmark): ``qgz_quantize`` and ``qgz_dequantize_reduce`` run at copy bandwidth;
+``qgz_reduce_requantize`` with INT8 sources at 95-97% (256 MB bf16 gradient) and 99-100% (1 GB),
+with INT4 sources at 74% and 78%. With INT4 sources it is bound by the instruction issue rate
+(sm_90 SASS: ~17.4 instructions per output element with 4 sources, 12.5 of them the decode --
+LOP3, FADD, FFMA per code and source, one shift per word: the floor of this exact
+decode-and-fma scheme -- against the ~20 per 2.5 bytes that an H200 issues in the time of a
+copy).
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ def _quantize_blocks(x: torch.Tensor, bits: int):
     scale = absmax / qt                                   # IEEE division (tensor / tensor)
     inv = torch.where(absmax > 0, qt / absmax, torch.zeros_like(absmax))
     inv = inv.clamp_max(FLT_MAX)
-    t = x0 * inv.unsqueeze(-1)
+    t = x0.double() * inv.double().unsqueeze(-1)         # exact: 24 + 24 significant bits
     code = torch.round(t).clamp_(-q, q).to(torch.int32)  # round half to even
     special = torch.where(
         torch.isnan(x), -(q + 1),
@@ -464,14 +465,16 @@ if HAS_TRITON:
         return scale, inv, bad
 
     @triton.jit
-    def _tl_code(x, inv, BITS: tl.constexpr, CHECK: tl.constexpr):
+    def _tl_code(x, inv, BITS: tl.constexpr, CHECK: tl.constexpr, EMU: tl.constexpr):
         """int32 whose low BITS bits are the code of x in offset binary (code + 2**(BITS-1)),
-        with zeros above them up to bit 21: rint via _MAGIC plus the offset, so that packing
-        adds codes without masks or borrows. |x * inv| <= q (1 + 2**-24)**2 < q + 1/2: no clamp.
+        with zeros above them up to bit 21: rint of the exact product x * inv in one FFMA with
+        _MAGIC plus the offset (an even number: its ties go to even as the product's do), so
+        that packing adds codes without masks or borrows. |x * inv| <= q (1 + 2**-24) < q + 1/2:
+        no clamp.
         CHECK: non-finite x (found only in blocks with inv = 0, whose finite values get code
         0) get NaN -> -(q+1), +inf -> q, -inf -> -q."""
         Q: tl.constexpr = (1 << (BITS - 1)) - 1
-        c = (x * inv + (_MAGIC + (Q + 1))).to(tl.int32, bitcast=True)
+        c = _tl_fma(x, inv, tl.zeros_like(x) + (_MAGIC + (Q + 1)), EMU).to(tl.int32, bitcast=True)
         if CHECK:
             sp = tl.where(x != x, -Q - 1, tl.where(x > 0.0, Q, -Q)) + (Q + 1)
             c = tl.where(tl.abs(x) < _INF, c, sp)
@@ -523,7 +526,7 @@ if HAS_TRITON:
     def _qgz_quantize_kernel(x_ptr, w32_ptr, f32_ptr, S, nb, N, R, BITS: tl.constexpr,
                              B: tl.constexpr, BPP: tl.constexpr, G: tl.constexpr,
                              REP: tl.constexpr, U: tl.constexpr, V: tl.constexpr,
-                             MODE: tl.constexpr, EVEN: tl.constexpr):
+                             MODE: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr):
         Q: tl.constexpr = (1 << (BITS - 1)) - 1
         OB: tl.constexpr = B // 8
         PAD: tl.constexpr = (OB & (OB - 1)) != 0       # octets per block not a power of 2
@@ -547,7 +550,7 @@ if HAS_TRITON:
         wbase = o.to(tl.int64) * pw + pid.to(tl.int64) * (BPP * OB * BITS // 4)
         zero = nb >> 31                                            # nb >= 0: a run-time 0
         _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, blk, nb,
-                        zero, BITS, G, BPP, REP, U, OB, MASKED, False)
+                        zero, BITS, G, BPP, REP, U, OB, MASKED, False, EMU)
         sb = o.to(tl.int64) * pw + tl.cast(nb, tl.int64) * (B * BITS // 32)
         if MASKED:
             tl.store(f32_ptr + sb + blk, scale, mask=blk < nb)
@@ -561,7 +564,7 @@ if HAS_TRITON:
             x0, x1, x2, x3, x4, x5, x6, x7 = _tl_load_grad(x_ptr, xb, oc, oin, lim1, OB, G, BPP,
                                                            REP, U, V, MODE, MASKED, PAD)
             _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, blk,
-                            nb, zero, BITS, G, BPP, REP, U, OB, MASKED, True)
+                            nb, zero, BITS, G, BPP, REP, U, OB, MASKED, True, EMU)
 
     # ---- codes -> values: the sources of the reduction kernels, loaded and summed ------
 
@@ -744,19 +747,19 @@ if HAS_TRITON:
     def _tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv, w_ptr, wbase, oc, omask, blk, nb,
                         zero, BITS: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
                         REP: tl.constexpr, U: tl.constexpr, OB: tl.constexpr,
-                        MASKED: tl.constexpr, CHECK: tl.constexpr):
+                        MASKED: tl.constexpr, CHECK: tl.constexpr, EMU: tl.constexpr):
         """Codes of the 8 lanes (inv [1, BPP, 1, 1]) packed and stored at word wbase + ...
         Offset-binary codes (``_tl_code``) have zeros between their field and bit 22, so the
         fields add up without carries. INT4: 7 IMAD, one mask, one XOR (two's complement) per
         8 codes; INT8: the same with bytes (``_tl_pack_bytes``), stored as 16-byte vectors."""
-        c0 = _tl_code(x0, inv, BITS, CHECK)
-        c1 = _tl_code(x1, inv, BITS, CHECK)
-        c2 = _tl_code(x2, inv, BITS, CHECK)
-        c3 = _tl_code(x3, inv, BITS, CHECK)
-        c4 = _tl_code(x4, inv, BITS, CHECK)
-        c5 = _tl_code(x5, inv, BITS, CHECK)
-        c6 = _tl_code(x6, inv, BITS, CHECK)
-        c7 = _tl_code(x7, inv, BITS, CHECK)
+        c0 = _tl_code(x0, inv, BITS, CHECK, EMU)
+        c1 = _tl_code(x1, inv, BITS, CHECK, EMU)
+        c2 = _tl_code(x2, inv, BITS, CHECK, EMU)
+        c3 = _tl_code(x3, inv, BITS, CHECK, EMU)
+        c4 = _tl_code(x4, inv, BITS, CHECK, EMU)
+        c5 = _tl_code(x5, inv, BITS, CHECK, EMU)
+        c6 = _tl_code(x6, inv, BITS, CHECK, EMU)
+        c7 = _tl_code(x7, inv, BITS, CHECK, EMU)
         if BITS == 4:
             # Horner steps by a run-time 16 (IMAD): with constant shifts LLVM distributes them
             # over the sums, 2 more instructions per word. Codes 0..2 carry the magic number's
@@ -802,7 +805,7 @@ if HAS_TRITON:
                               U: tl.constexpr, MASKED: tl.constexpr, SLOW: tl.constexpr,
                               EMU: tl.constexpr):
         """Sum the loaded sources of the tile in source order, requantize, store; returns
-        whether some block's sum is not finite (the tile needs the slow path)."""
+        per block whether its sum is not finite (then the tile needs the slow path)."""
         Q: tl.constexpr = (1 << (OUT_BITS - 1)) - 1
         zero = nb >> 31                                            # nb >= 0: a run-time 0
         a0, a1, a2, a3, a4, a5, a6, a7 = _tl_sum_tile(srcs, zero, K, IN_BITS, G, BPP, REP, U, SLOW,
@@ -812,30 +815,55 @@ if HAS_TRITON:
         omask = _tl_octet_mask(oin, blk, nb, B, MASKED)
         wb = obase + b0.to(tl.int64) * (B * OUT_BITS // 32)
         _tl_quant_store(a0, a1, a2, a3, a4, a5, a6, a7, inv[None, :, None, None], out_w32, wb,
-                          oc, omask, blk, nb, zero, OUT_BITS, G, BPP, REP, U, B // 8, MASKED,
-                          SLOW)
+                        oc, omask, blk, nb, zero, OUT_BITS, G, BPP, REP, U, B // 8, MASKED, SLOW,
+                        EMU)
         sb = obase + tl.cast(nb, tl.int64) * (B * OUT_BITS // 32) + blk
         if MASKED:
             tl.store(out_f32 + sb, scale, mask=blk < nb)
         else:
             tl.store(out_f32 + sb, scale)
-        return tl.max(bad.to(tl.int32), axis=0) > 0
+        return bad
 
     @triton.jit
-    def _tl_reduce_tile(srcs, in_w32, in_f32, out_w32, out_f32, base0, stride, obase, b0, oc,
-                        oin, nb, K: tl.constexpr, IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr,
-                        B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr,
-                        U: tl.constexpr, MASKED: tl.constexpr, EMU: tl.constexpr):
-        """Fast path over the loaded tile; then, where some block's sum is not finite (RARE,
-        tile-uniform), the slow path over the same tile read again, overwriting it. One test
-        covers inf markers and overflowed sums alike: a marker makes its block's sum inf or
-        NaN (code * inf), and inf / NaN survive the later additions."""
-        if _tl_sum_requant_store(srcs, out_w32, out_f32, obase, b0, oc, oin, nb, K, IN_BITS,
-                                 OUT_BITS, B, G, BPP, REP, U, MASKED, False, EMU):
-            again = _tl_load_tile(in_w32, in_f32, base0, stride, b0, oc, oin, nb, K, IN_BITS, B,
-                                  G, BPP, REP, U, MASKED)
-            _tl_sum_requant_store(again, out_w32, out_f32, obase, b0, oc, oin, nb, K, IN_BITS,
-                                  OUT_BITS, B, G, BPP, REP, U, MASKED, True, EMU)
+    def _tl_or(a, b):
+        return a | b
+
+    @triton.jit
+    def _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32, out_f32, base0, stride,
+                 obase, oc, oin, nb, K: tl.constexpr, IN_BITS: tl.constexpr,
+                 OUT_BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
+                 REP: tl.constexpr, U: tl.constexpr, PAD: tl.constexpr, EMU: tl.constexpr):
+        """Fast path over full tile t, whose loads ``nxt`` holds; returns (per block whether its
+        sum is not finite: the tile needs the slow path, the next tile's loads). The next
+        tile's loads are issued before this tile's arithmetic, so that they are in flight
+        while the program computes (the last tile's "next" is itself again: read, never used)."""
+        cur = nxt
+        nxt = _tl_load_tile(in_w32, in_f32, base0, stride,
+                            tl.minimum(t + nprog, full_tiles - 1) * BPP, oc, oin, nb, K,
+                            IN_BITS, B, G, BPP, REP, U, PAD)
+        bad = _tl_sum_requant_store(cur, out_w32, out_f32, obase, t * BPP, oc, oin, nb, K,
+                                    IN_BITS, OUT_BITS, B, G, BPP, REP, U, PAD, False, EMU)
+        return bad, nxt
+
+    @triton.jit
+    def _tl_slow_tiles(bad, t0, step, in_w32, in_f32, out_w32, out_f32, base0, stride, obase,
+                       oc, oin, nb, K: tl.constexpr, IN_BITS: tl.constexpr,
+                       OUT_BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
+                       BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
+                       MASKED: tl.constexpr, EMU: tl.constexpr):
+        """The slow path over the tiles t0 + j * step whose bit j of ``bad`` (uint32) is set,
+        read again, overwriting what the fast path stored. One test covers inf markers and
+        overflowed sums alike: a marker makes its block's sum inf or NaN (code * inf), and inf
+        / NaN survive the later additions."""
+        t = t0
+        while bad != 0:
+            if (bad & 1) != 0:
+                again = _tl_load_tile(in_w32, in_f32, base0, stride, t * BPP, oc, oin, nb, K,
+                                      IN_BITS, B, G, BPP, REP, U, MASKED)
+                _tl_sum_requant_store(again, out_w32, out_f32, obase, t * BPP, oc, oin, nb, K,
+                                      IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED, True, EMU)
+            bad = bad >> 1
+            t += step
 
     @triton.jit
     def _qgz_reduce_requantize_kernel(in_w32, in_f32, out_w32, out_f32, P, nb, full_tiles,
@@ -843,14 +871,14 @@ if HAS_TRITON:
                                       OUT_BITS: tl.constexpr, B: tl.constexpr,
                                       BPP: tl.constexpr, G: tl.constexpr, REP: tl.constexpr,
                                       U: tl.constexpr, PAD: tl.constexpr, TAIL: tl.constexpr,
-                                      PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-                                      EMU: tl.constexpr):
+                                      CHUNK: tl.constexpr, EMU: tl.constexpr):
         """Grid (programs, P): program (i, p) does the full tiles i, i + programs, ... of piece
         p (unmasked unless PAD), then, if the piece ends in a partial tile (TAIL) and i == 0,
-        that tile. PREFETCH: the next tile's loads are issued before the current tile's
-        arithmetic (its words wait in registers), so that loads are in flight while a program
-        computes; else STAGES > 1 lets the compiler pipeline the loop (asynchronous copies
-        through shared memory: more instructions per tile, fewer registers)."""
+        that tile. Tiles whose sums are not all finite (RARE) get the slow path after every
+        CHUNK (<= 32) tiles of the program: each block keeps a bit per tile in a register, and
+        the program combines them once per chunk (a reduction across its warps goes through
+        shared memory and barriers: done per tile, the INT4 > INT4 kernel ran at 69.7% of copy
+        against 74.5%, in two runs on an H200)."""
         i = tl.program_id(0)
         nprog = tl.num_programs(0)
         p = tl.program_id(1)
@@ -861,51 +889,33 @@ if HAS_TRITON:
         base0 = p.to(tl.int64) * pw_in
         stride = P * pw_in
         obase = p.to(tl.int64) * pw_out
-        if EMU:   # the interpreter takes no run-time range bounds (numpy 2): the same tiles
-            t = i
-            if PREFETCH and full_tiles > 0:
-                nxt = _tl_load_tile(in_w32, in_f32, base0, stride, i * BPP, oc, oin, nb, K,
-                                    IN_BITS, B, G, BPP, REP, U, PAD)
-            while t < full_tiles:
-                if PREFETCH:
-                    cur = nxt
-                    nxt = _tl_load_tile(in_w32, in_f32, base0, stride,
-                                        tl.minimum(t + nprog, full_tiles - 1) * BPP, oc, oin, nb,
-                                        K, IN_BITS, B, G, BPP, REP, U, PAD)
-                else:
-                    cur = _tl_load_tile(in_w32, in_f32, base0, stride, t * BPP, oc, oin, nb, K,
-                                        IN_BITS, B, G, BPP, REP, U, PAD)
-                _tl_reduce_tile(cur, in_w32, in_f32, out_w32, out_f32, base0, stride, obase,
-                                t * BPP, oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U,
-                                PAD, EMU)
-                t += nprog
-        elif PREFETCH:
-            if full_tiles > 0:   # then i < full_tiles (the launcher's grid)
-                nxt = _tl_load_tile(in_w32, in_f32, base0, stride, i * BPP, oc, oin, nb, K,
-                                    IN_BITS, B, G, BPP, REP, U, PAD)
-                for t in tl.range(i, full_tiles, nprog, num_stages=1):
-                    cur = nxt
-                    # the last tile's "next" is itself again: read, never used
-                    nxt = _tl_load_tile(in_w32, in_f32, base0, stride,
-                                        tl.minimum(t + nprog, full_tiles - 1) * BPP, oc, oin, nb,
-                                        K, IN_BITS, B, G, BPP, REP, U, PAD)
-                    _tl_reduce_tile(cur, in_w32, in_f32, out_w32, out_f32, base0, stride, obase,
-                                    t * BPP, oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP,
-                                    U, PAD, EMU)
-        else:
-            for t in tl.range(i, full_tiles, nprog, num_stages=STAGES):
-                cur = _tl_load_tile(in_w32, in_f32, base0, stride, t * BPP, oc, oin, nb, K,
-                                    IN_BITS, B, G, BPP, REP, U, PAD)
-                _tl_reduce_tile(cur, in_w32, in_f32, out_w32, out_f32, base0, stride, obase,
-                                t * BPP, oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U,
-                                PAD, EMU)
-        if TAIL:
+        none = tl.full((), 0, tl.uint32)
+        if full_tiles > 0:   # then i < full_tiles (the launcher's grid)
+            nxt = _tl_load_tile(in_w32, in_f32, base0, stride, i * BPP, oc, oin, nb, K,
+                                IN_BITS, B, G, BPP, REP, U, PAD)
+            c = i
+            while c < full_tiles:
+                end = tl.minimum(c + nprog * CHUNK, full_tiles)
+                bad = tl.zeros((BPP,), tl.uint32)       # per block: bit j = its tile c + j * nprog
+                bit = none + 1
+                t = c
+                while t < end:
+                    flag, nxt = _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32,
+                                         out_f32, base0, stride, obase, oc, oin, nb, K,
+                                         IN_BITS, OUT_BITS, B, G, BPP, REP, U, PAD, EMU)
+                    bad = bad | tl.where(flag, bit, none)
+                    bit = bit << 1
+                    t += nprog
+                # one reduction across the program's threads per chunk, not per tile
+                _tl_slow_tiles(tl.reduce(bad, 0, _tl_or), c, nprog, in_w32, in_f32, out_w32,
+                               out_f32, base0, stride, obase, oc, oin, nb, K, IN_BITS, OUT_BITS, B,
+                               G, BPP, REP, U, PAD, EMU)
+                c += nprog * CHUNK
+        if TAIL:   # the partial last tile (one per piece) goes through the slow path, masked
             if i == 0:
-                b0 = full_tiles * BPP
-                cur = _tl_load_tile(in_w32, in_f32, base0, stride, b0, oc, oin, nb, K, IN_BITS,
-                                    B, G, BPP, REP, U, True)
-                _tl_reduce_tile(cur, in_w32, in_f32, out_w32, out_f32, base0, stride, obase, b0,
-                                oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP, U, True, EMU)
+                _tl_slow_tiles(none + 1, full_tiles, 1, in_w32, in_f32, out_w32, out_f32, base0,
+                               stride, obase, oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP,
+                               U, True, EMU)
 
     @triton.jit
     def _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, b0, nb, lim, scale,
@@ -976,15 +986,18 @@ if HAS_TRITON:
 # program tile, warps per program, and U, the octets of one thread vector (see the tile comment
 # above the kernels). A thread holds tile_elems / (32 * num_warps) elements; reduce_requantize
 # sizes its tiles by elems_per_thread (from prefetch_words) and runs programs_per_sm persistent
-# programs per SM (over-subscribed on purpose: programs that do not fit at once start later,
-# with the same share of tiles). Chosen by sweeps of examples/bench_grad_kernels.py on an H200:
-# INT4 -> bf16 dequantize_reduce ran at 88% of copy with U = 4 and 4096 elements against 83%
-# with the fp32 output's choice (which got 79% with it).
+# programs per SM, all resident at once: the launcher caps registers to fit them (a program
+# that does not fit starts when another ends and finishes alone; INT4 sources at 255 registers,
+# two resident: 73% of copy with 2 or 4 per SM, 60% with 3). Chosen by sweeps of
+# examples/bench_grad_kernels.py on an H200: INT8 sources ran at 97% of copy with 32 elements
+# per thread and 3 programs per SM against 85% with 16 and 4; INT4 -> bf16 dequantize_reduce
+# ran at 88% of copy with U = 4 and 4096 elements against 83% with the fp32 output's choice
+# (which got 79% with it).
 TUNING = {
     "quantize": {4: dict(tile_elems=8192, num_warps=4, octets=2),
                  8: dict(tile_elems=8192, num_warps=4, octets=2)},
-    "reduce_requantize": {4: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=4),
-                          8: dict(prefetch_words=16, num_warps=4, octets=4, programs_per_sm=4)},
+    "reduce_requantize": {4: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=2),
+                          8: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=3)},
     "dequantize_reduce": {(4, 2): dict(tile_elems=4096, num_warps=4, octets=4),
                           (4, 4): dict(tile_elems=2048, num_warps=4, octets=2),
                           (8, 2): dict(tile_elems=2048, num_warps=4, octets=2),
@@ -1021,11 +1034,9 @@ def _check_tuning(num_warps=None, **counts) -> None:
 def elems_per_thread(num_sources: int, in_bits: int) -> int:
     """Elements per thread of a qgz_reduce_requantize tile: the largest power of 2 in [16, 64]
     whose code words for all sources (num_sources * elems * in_bits / 32, held in registers
-    while the previous tile is computed) fit TUNING's ``prefetch_words``. INT4 sources, 32
-    words: 64 elements up to 4 sources, 32 for 8 (64 spilled). INT8 sources, 16 words: 64 for
-    1 source, 32 for 2, 16 from 3 on; measured on an H200 (INT8 > INT8, 4 sources), 16 elements
-    ran at 87% of copy against 80% with 32 (fewer registers, more programs per SM). 16 is one
-    16-byte vector of INT8 codes per thread, the floor."""
+    while the previous tile is computed) fit TUNING's ``prefetch_words``, 32: INT4 sources, 64
+    elements up to 4 sources, 32 for 8 (64 spilled); INT8 sources, 64 for 1 source, 32 for 2
+    to 4, 16 from 5 on. 16 is one 16-byte vector of INT8 codes per thread, the floor."""
     words = TUNING["reduce_requantize"][in_bits]["prefetch_words"]
     e = max(1, words * 32 // (num_sources * in_bits))
     return max(16, min(64, 1 << (e.bit_length() - 1)))
@@ -1037,6 +1048,15 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 3
+
+
+def _register_cap(device: torch.device, programs_per_sm: int, warps: int) -> int:
+    """Registers per thread that let ``programs_per_sm`` programs of ``warps`` warps be resident
+    on one SM together (allocated in units of 8 per thread; at most 255)."""
+    regs = 65536
+    if device.type == "cuda":
+        regs = getattr(torch.cuda.get_device_properties(device), "regs_per_multiprocessor", regs)
+    return max(8, min(255, regs // (programs_per_sm * warps * 32) // 8 * 8))
 
 
 def _aligned_u8(buf: torch.Tensor) -> torch.Tensor:
@@ -1113,24 +1133,26 @@ def qgz_quantize_triton(grad, num_nodes, ranks_per_node, bits, block_size, *, ti
         _qgz_quantize_kernel[(triton.cdiv(nb, bpp), P)](
             x, out.view(torch.int32), out.view(torch.float32), S, nb, num_nodes, ranks_per_node,
             BITS=bits, B=block_size, BPP=bpp, G=G, REP=rep, U=U, V=_vec(grad.element_size()),
-            MODE=mode, EVEN=even, num_warps=warps, enable_fp_fusion=False)
+            MODE=mode, EVEN=even, EMU=_interpreting(), num_warps=warps, enable_fp_fusion=False)
     return out
 
 
 def qgz_reduce_requantize_triton(recv: torch.Tensor, num_sources: int, num_pieces: int,
                                  shard_size: int, in_bits: int, out_bits: int, block_size: int,
                                  *, tile_elems: int | None = None, num_warps: int | None = None,
-                                 programs_per_sm: int | None = None, prefetch: bool = True,
-                                 num_stages: int = 1) -> torch.Tensor:
+                                 programs_per_sm: int | None = None,
+                                 slow_chunk: int = 32) -> torch.Tensor:
     """Triton launcher of ``zpp::qgz_reduce_requantize``. Tuning (defaults from TUNING):
     ``tile_elems`` (elems_per_thread * 32 * num_warps), ``num_warps``, ``programs_per_sm``
-    (persistent programs per SM, split over the pieces); ``prefetch`` issues the next tile's
-    loads before the current tile's arithmetic; without it, ``num_stages`` > 1 lets Triton
-    pipeline the loop instead."""
+    (persistent programs per SM, split over the pieces, their registers capped so that all are
+    resident at once); ``slow_chunk``: tiles a program runs between two looks for tiles that
+    need the slow path (1 to 32)."""
     _require_triton(block_size)
     _check_reduce_args(recv, num_sources, num_pieces, shard_size, in_bits, block_size)
     _check_bits(out_bits, "out_bits")
-    _check_tuning(num_warps=num_warps, programs_per_sm=programs_per_sm, num_stages=num_stages)
+    _check_tuning(num_warps=num_warps, programs_per_sm=programs_per_sm, slow_chunk=slow_chunk)
+    if slow_chunk > 32:
+        raise ValueError(f"slow_chunk must be at most 32 (one bit per tile), got {slow_chunk}")
     tune = TUNING["reduce_requantize"][in_bits]
     warps = num_warps or tune["num_warps"]
     if tile_elems is None:
@@ -1149,8 +1171,9 @@ def qgz_reduce_requantize_triton(recv: torch.Tensor, num_sources: int, num_piece
             recv.view(torch.int32), recv.view(torch.float32), out.view(torch.int32),
             out.view(torch.float32), num_pieces, nb, full_tiles, K=num_sources, IN_BITS=in_bits,
             OUT_BITS=out_bits, B=block_size, BPP=bpp, G=G, REP=rep, U=U,
-            PAD=(ob & (ob - 1)) != 0, TAIL=(nb % bpp != 0), PREFETCH=bool(prefetch),
-            STAGES=num_stages, EMU=_interpreting(), num_warps=warps, enable_fp_fusion=False)
+            PAD=(ob & (ob - 1)) != 0, TAIL=(nb % bpp != 0), CHUNK=slow_chunk,
+            EMU=_interpreting(), num_warps=warps, maxnreg=_register_cap(recv.device, per_sm, warps),
+            enable_fp_fusion=False)
     return out
 
 

@@ -309,14 +309,15 @@ def received(K: int, P: int, S: int, bits: int, B: int, seed: int, special: bool
 
 
 @needs_triton
-@pytest.mark.parametrize("in_bits,out_bits,prefetch", [(4, 4, True), (8, 8, True), (8, 4, True),
-                                                       (4, 8, True), (8, 4, False)])
-def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, prefetch):
+@pytest.mark.parametrize("in_bits,out_bits,slow_chunk", [(4, 4, 32), (8, 8, 32), (8, 4, 32),
+                                                         (4, 8, 32), (8, 4, 1)])
+def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, slow_chunk):
     """More full tiles than programs: 3 programs (the interpreter counts 3 SMs) walk 6 tiles of
-    4 blocks, program i tiles i and i + 3 (prefetch: the next tile's loads issued before the
-    current tile's arithmetic), then the partial last tile (partial last block). The inputs
-    hold what the kernel branches on (tile 4 none of it: its sum comes from the prefetched
-    words), and the output keeps it visible."""
+    4 blocks, program i tiles i and i + 3 (the next tile's loads issued before the current
+    tile's arithmetic; the tiles that need the slow path redone after both, or after each
+    with slow_chunk=1), then the partial last tile (partial last block). The inputs hold what
+    the kernel branches on (tile 4 none of it: its sum comes from the prefetched words), and
+    the output keeps it visible."""
     K, B, S = 2, 32, 25 * 32 + 5
     recv = received(K, 1, S, in_bits, B, seed=in_bits * 10 + out_bits, special=True)
     _, s_in = gq.unpack_pieces(recv[:gq.piece_bytes(S, B, in_bits)], 1, S, in_bits, B)
@@ -326,7 +327,7 @@ def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, prefetch):
     assert (s_out == math.inf).sum() > (s_in == math.inf).sum()    # finite sums overflowed
     out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, 1, S, in_bits, out_bits, B,
                                           tile_elems=128, programs_per_sm=1,
-                                          prefetch=prefetch).cpu()
+                                          slow_chunk=slow_chunk).cpu()
     assert torch.equal(out, ref)
 
 
@@ -346,11 +347,18 @@ def test_triton_reduce_requantize_default_tiles(in_bits, out_bits, K, B):
     assert torch.equal(out, ref)
 
 
+def test_reduce_requantize_register_cap():
+    """programs_per_sm programs of 4 warps share an SM's 65536 registers (in units of 8 per
+    thread, at most 255 each): 2 -> 255, 3 -> 168, 4 -> 128."""
+    cpu = torch.device("cpu")
+    assert [gq._register_cap(cpu, n, 4) for n in (1, 2, 3, 4)] == [255, 255, 168, 128]
+
+
 def test_reduce_requantize_elements_per_thread():
-    """The tile rule: the code words of all sources stay within 32 registers per thread for
-    INT4 sources, 16 for INT8 sources (measured faster at 4 sources), at least 16 elements."""
+    """The tile rule: the code words of all sources stay within 32 registers per thread, at
+    least 16 elements."""
     assert [gq.elems_per_thread(k, 4) for k in (1, 2, 4, 8)] == [64, 64, 64, 32]
-    assert [gq.elems_per_thread(k, 8) for k in (1, 2, 3, 4, 8)] == [64, 32, 16, 16, 16]
+    assert [gq.elems_per_thread(k, 8) for k in (1, 2, 3, 4, 5, 8)] == [64, 64, 32, 32, 16, 16]
     assert gq.elems_per_thread(1000, 8) == 16
 
 
@@ -359,7 +367,7 @@ def test_triton_reduce_requantize_bad_tuning():
     recv = gq.qgz_quantize_ref(torch.randn(64), 1, 1, 4, 32)
     for kw, what in ((dict(num_warps=3), "num_warps"), (dict(tile_elems=0), "tile_elems"),
                      (dict(programs_per_sm=0), "programs_per_sm"),
-                     (dict(num_stages=0), "num_stages")):
+                     (dict(slow_chunk=0), "slow_chunk"), (dict(slow_chunk=33), "slow_chunk")):
         with pytest.raises(ValueError, match=what):
             gq.qgz_reduce_requantize_triton(recv.to(DEV), 1, 1, 64, 4, 4, 32, **kw)
 
