@@ -889,7 +889,7 @@ if HAS_TRITON:
         base0 = p.to(tl.int64) * pw_in
         stride = P * pw_in
         obase = p.to(tl.int64) * pw_out
-        none = tl.full((), 0, tl.uint32)
+        no_bits = tl.full((), 0, tl.uint32)
         if full_tiles > 0:   # then i < full_tiles (the launcher's grid)
             nxt = _tl_load_tile(in_w32, in_f32, base0, stride, i * BPP, oc, oin, nb, K,
                                 IN_BITS, B, G, BPP, REP, U, PAD)
@@ -897,13 +897,13 @@ if HAS_TRITON:
             while c < full_tiles:
                 end = tl.minimum(c + nprog * CHUNK, full_tiles)
                 bad = tl.zeros((BPP,), tl.uint32)       # per block: bit j = its tile c + j * nprog
-                bit = none + 1
+                bit = no_bits + 1
                 t = c
                 while t < end:
                     flag, nxt = _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32,
                                          out_f32, base0, stride, obase, oc, oin, nb, K,
                                          IN_BITS, OUT_BITS, B, G, BPP, REP, U, PAD, EMU)
-                    bad = bad | tl.where(flag, bit, none)
+                    bad = bad | tl.where(flag, bit, no_bits)
                     bit = bit << 1
                     t += nprog
                 # one reduction across the program's threads per chunk, not per tile
@@ -913,9 +913,9 @@ if HAS_TRITON:
                 c += nprog * CHUNK
         if TAIL:   # the partial last tile (one per piece) goes through the slow path, masked
             if i == 0:
-                _tl_slow_tiles(none + 1, full_tiles, 1, in_w32, in_f32, out_w32, out_f32, base0,
-                               stride, obase, oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP, REP,
-                               U, True, EMU)
+                _tl_slow_tiles(no_bits + 1, full_tiles, 1, in_w32, in_f32, out_w32, out_f32,
+                               base0, stride, obase, oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP,
+                               REP, U, True, EMU)
 
     @triton.jit
     def _tl_dequant_tile(in_w32, in_f32, out_ptr, pw, oc, oin, b0, nb, lim, scale,

@@ -241,6 +241,35 @@ def test_triton_quantize_matches_twin(dtype, bits, B, tile):
         assert torch.equal(out, ref), (N, R, S)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_codes_round_the_exact_product(bits):
+    """code = rint(x * inv) of the exact product, not of its float32 rounding: one block holds
+    values whose float32 product x * inv rounds onto a half-integer that the exact product
+    stays below or above (found next to every (k + 1/2) / inv). Reference: float64 products."""
+    q = (1 << (bits - 1)) - 1
+    a = torch.tensor(0.7390851, dtype=torch.float32)      # the block's absmax
+    inv = torch.tensor(float(q), dtype=torch.float32) / a
+    ties = []
+    for k in range(q):
+        near = torch.tensor((k + 0.5) / inv.double().item(), dtype=torch.float32).view(torch.int32)
+        x = (near + torch.arange(-200, 201, dtype=torch.int32)).view(torch.float32)
+        off = torch.round((x * inv).double()) != torch.round(x.double() * inv.double())
+        ties.append(x[off])
+    ties = torch.cat(ties)
+    assert ties.numel() > 0
+    B = 32 * (1 + ties.numel() // 32)
+    x = torch.zeros(B)
+    x[0] = a
+    x[1:1 + ties.numel()] = ties
+    want = torch.round(x.double() * inv.double()).to(torch.int32)
+    want[0] = q
+    ref = gq.qgz_quantize_ref(x, 1, 1, bits, B)
+    assert torch.equal(gq.unpack_pieces(ref, 1, B, bits, B)[0].flatten(), want)
+    if triton_ok:
+        out = gq.qgz_quantize_triton(x.to(DEV), 1, 1, bits, B).cpu()
+        assert torch.equal(out, ref)
+
+
 @needs_triton
 @pytest.mark.parametrize("in_bits,out_bits", [(4, 4), (8, 4), (4, 8), (8, 8)])
 @pytest.mark.parametrize("B,tile", BLOCK_TILE)
