@@ -88,17 +88,24 @@ pieces, all resident at once (the launcher caps their registers to fit), walk th
 their piece (unmasked), each issuing the next tile's loads (all sources, 16-byte vectors) before
 the current tile's arithmetic, so that a program's loads are in flight while it computes; a
 piece's partial last tile comes after the loop. A thread holds ``elems_per_thread`` elements,
-so that the prefetched words fit in registers. Packing multiplies by a run-time 16 or 256 (IMAD
-chains): LLVM would distribute constant shifts over the sums, costing more instructions.
+so that the prefetched words fit in registers. With INT4 sources that one tile in flight per
+program left the loads waiting on DRAM (ncu: 0.73 cycles of long-scoreboard stall per issued
+instruction), so a program also asks L2 for the tile after it (``prefetch.global.L2``, one line
+per thread: no registers; 0.23 after). Block scales are loaded and stored through a block index
+laid out as the tile (``_tl_block_ids``): laid out by its contiguity, a [BPP] vector of scales
+went through shared memory, with two barriers per source and tile. Packing multiplies by a
+run-time 16 or 256 (IMAD chains): LLVM would distribute constant shifts over the sums, costing
+more instructions.
 
 Measured (H200, 2 nodes x 4 ranks, block 256, against a copy of the same bytes, see the
 benchmark): ``qgz_quantize`` and ``qgz_dequantize_reduce`` run at copy bandwidth;
-``qgz_reduce_requantize`` with INT8 sources at 95-97% (256 MB bf16 gradient) and 99-100% (1 GB),
-with INT4 sources at 74% and 78%. With INT4 sources it is bound by the instruction issue rate
-(sm_90 SASS: ~17.4 instructions per output element with 4 sources, 12.5 of them the decode --
-LOP3, FADD, FFMA per code and source, one shift per word: the floor of this exact
-decode-and-fma scheme -- against the ~20 per 2.5 bytes that an H200 issues in the time of a
-copy).
+``qgz_reduce_requantize`` with INT8 sources at 95-97% (256 MB gradient) and 99-100% (1 GB),
+with INT4 sources at 79-82% and 88%. With INT4 sources it issues ~17.7 instructions per output
+element with 4 sources (sm_90 SASS), 12.5 of them the decode -- LOP3, FADD, FFMA per code and
+source, one shift per word: the floor of this exact decode-and-fma scheme -- against the ~20 per
+2.5 bytes that an H200 issues in the time of a copy (ncu: instructions issued in 75% of the
+cycles); at 256 MB a program walks 16 tiles, and its first tile's wait for DRAM and its last
+tile's arithmetic are not overlapped.
 """
 from __future__ import annotations
 
@@ -663,19 +670,32 @@ if HAS_TRITON:
         return w, wb
 
     @triton.jit
+    def _tl_block_ids(b0, nb, G: tl.constexpr, BPP: tl.constexpr):
+        """Index of each thread's block, [G, BPP, 1, 1], for the loads and stores of block
+        scales. Laid out as the tile: Triton lays out a memory access by the contiguity of its
+        addresses, and a [BPP] vector of consecutive blocks gets one block per lane, which the
+        arithmetic then converts to the tile's layout through shared memory (two barriers per
+        source and tile). Times a run-time 1, the index shows no contiguity, and the layout
+        Triton picks maps every element to the same thread as the tile does (no conversion)."""
+        one = (nb >> 31) + 1                                       # nb >= 0: a run-time 1
+        bid = b0 + (tl.arange(0, BPP) * one)[None, :, None, None]
+        return tl.broadcast_to(bid, (G, BPP, 1, 1))
+
+    @triton.jit
     def _tl_load_source(w32_ptr, f32_ptr, base, cw, b0, blk, oc, omask, nb, BITS: tl.constexpr,
                         B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr,
                         U: tl.constexpr, MASKED: tl.constexpr):
         """The tile's code words and block scales of the piece at word offset ``base`` (``cw``
-        code words): (w, wb, scale [1, BPP, 1, 1])."""
+        code words): (w, wb, scale [G, BPP, 1, 1])."""
+        bid = _tl_block_ids(b0, nb, G, BPP)
         if MASKED:
-            s = tl.load(f32_ptr + base + cw + blk, mask=blk < nb, other=0.0)
+            s = tl.load(f32_ptr + base + cw + bid, mask=bid < nb, other=0.0)
         else:
-            s = tl.load(f32_ptr + base + cw + blk)
+            s = tl.load(f32_ptr + base + cw + bid)
         wt = base + b0.to(tl.int64) * (B * BITS // 32)
         w, wb = _tl_load_words(w32_ptr, wt, oc, omask, blk, nb, BITS, G, BPP, REP, U, B // 8,
                                MASKED)
-        return w, wb, s[None, :, None, None]
+        return w, wb, s
 
     @triton.jit
     def _tl_load_tile(in_w32, in_f32, base0, stride, b0, oc, oin, nb, K: tl.constexpr,
@@ -696,7 +716,7 @@ if HAS_TRITON:
     @triton.jit
     def _tl_accumulate(a0, a1, a2, a3, a4, a5, a6, a7, w, wb, s, zero, BITS: tl.constexpr,
                        FIRST: tl.constexpr, SLOW: tl.constexpr, EMU: tl.constexpr):
-        """Accumulate one source (its code words, scales [1, BPP, 1, 1]) into the 8 lanes. Per
+        """Accumulate one source (its code words, scales [G, BPP, 1, 1]) into the 8 lanes. Per
         code LOP3 + FADD + FFMA; per word one shift (INT4 nibbles 5..7, INT8 bytes 2, 3 sit
         above bit 22)."""
         Q: tl.constexpr = (1 << (BITS - 1)) - 1
@@ -817,11 +837,13 @@ if HAS_TRITON:
         _tl_quant_store(a0, a1, a2, a3, a4, a5, a6, a7, inv[None, :, None, None], out_w32, wb,
                         oc, omask, blk, nb, zero, OUT_BITS, G, BPP, REP, U, B // 8, MASKED, SLOW,
                         EMU)
-        sb = obase + tl.cast(nb, tl.int64) * (B * OUT_BITS // 32) + blk
+        bid = _tl_block_ids(b0, nb, G, BPP)                  # the G threads of a block store alike
+        sp = out_f32 + obase + tl.cast(nb, tl.int64) * (B * OUT_BITS // 32) + bid
+        s4 = tl.broadcast_to(scale[None, :, None, None], (G, BPP, 1, 1))
         if MASKED:
-            tl.store(out_f32 + sb, scale, mask=blk < nb)
+            tl.store(sp, s4, mask=bid < nb)
         else:
-            tl.store(out_f32 + sb, scale)
+            tl.store(sp, s4)
         return bad
 
     @triton.jit
@@ -829,18 +851,46 @@ if HAS_TRITON:
         return a | b
 
     @triton.jit
+    def _tl_prefetch_l2(in_w32, in_f32, base0, stride, t, full_tiles, nb, K: tl.constexpr,
+                        BITS: tl.constexpr, B: tl.constexpr, BPP: tl.constexpr):
+        """If full tile t exists: ask L2 for its lines, code words and scales of every source
+        (``prefetch.global.L2``, one 128-byte line per element: no registers wait for it)."""
+        LPS: tl.constexpr = (BPP * B * BITS // 8 + 127) // 128      # code lines per source
+        KP: tl.constexpr = triton.next_power_of_2(K)
+        src = tl.arange(0, KP)[:, None]
+        line = tl.arange(0, triton.next_power_of_2(LPS))[None, :]
+        b0 = tl.minimum(t, full_tiles - 1).to(tl.int64) * BPP
+        on = (src < K) & (t < full_tiles)
+        words = base0 + src * stride + b0 * (B * BITS // 32) + line * 32
+        # the tile's scales: BPP floats, in at most two lines (its first and last scale's)
+        scales = (base0 + src * stride + tl.cast(nb, tl.int64) * (B * BITS // 32) + b0
+                  + tl.arange(0, 2)[None, :] * (BPP - 1))
+        asm: tl.constexpr = ("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
+                             "mov.b32 $0, 0; }")
+        tl.inline_asm_elementwise(asm, "=r,l,r", [in_w32 + words, (on & (line < LPS)).to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(asm, "=r,l,r", [in_f32 + scales,
+                                                  tl.broadcast_to(on, (KP, 2)).to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32, out_f32, base0, stride,
                  obase, oc, oin, nb, K: tl.constexpr, IN_BITS: tl.constexpr,
                  OUT_BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
-                 REP: tl.constexpr, U: tl.constexpr, PAD: tl.constexpr, EMU: tl.constexpr):
+                 REP: tl.constexpr, U: tl.constexpr, PAD: tl.constexpr, L2: tl.constexpr,
+                 EMU: tl.constexpr):
         """Fast path over full tile t, whose loads ``nxt`` holds; returns (per block whether its
         sum is not finite: the tile needs the slow path, the next tile's loads). The next
         tile's loads are issued before this tile's arithmetic, so that they are in flight
-        while the program computes (the last tile's "next" is itself again: read, never used)."""
+        while the program computes (the last tile's "next" is itself again: read, never used);
+        with L2, the tile after it is prefetched into L2."""
         cur = nxt
         nxt = _tl_load_tile(in_w32, in_f32, base0, stride,
                             tl.minimum(t + nprog, full_tiles - 1) * BPP, oc, oin, nb, K,
                             IN_BITS, B, G, BPP, REP, U, PAD)
+        if L2 and not EMU:
+            _tl_prefetch_l2(in_w32, in_f32, base0, stride, t + 2 * nprog, full_tiles, nb, K,
+                            IN_BITS, B, BPP)
         bad = _tl_sum_requant_store(cur, out_w32, out_f32, obase, t * BPP, oc, oin, nb, K,
                                     IN_BITS, OUT_BITS, B, G, BPP, REP, U, PAD, False, EMU)
         return bad, nxt
@@ -871,7 +921,7 @@ if HAS_TRITON:
                                       OUT_BITS: tl.constexpr, B: tl.constexpr,
                                       BPP: tl.constexpr, G: tl.constexpr, REP: tl.constexpr,
                                       U: tl.constexpr, PAD: tl.constexpr, TAIL: tl.constexpr,
-                                      CHUNK: tl.constexpr, EMU: tl.constexpr):
+                                      CHUNK: tl.constexpr, L2: tl.constexpr, EMU: tl.constexpr):
         """Grid (programs, P): program (i, p) does the full tiles i, i + programs, ... of piece
         p (unmasked unless PAD), then, if the piece ends in a partial tile (TAIL) and i == 0,
         that tile. Tiles whose sums are not all finite (RARE) get the slow path after every
@@ -893,6 +943,9 @@ if HAS_TRITON:
         if full_tiles > 0:   # then i < full_tiles (the launcher's grid)
             nxt = _tl_load_tile(in_w32, in_f32, base0, stride, i * BPP, oc, oin, nb, K,
                                 IN_BITS, B, G, BPP, REP, U, PAD)
+            if L2 and not EMU:
+                _tl_prefetch_l2(in_w32, in_f32, base0, stride, i + nprog, full_tiles, nb, K,
+                                IN_BITS, B, BPP)
             c = i
             while c < full_tiles:
                 end = tl.minimum(c + nprog * CHUNK, full_tiles)
@@ -902,7 +955,7 @@ if HAS_TRITON:
                 while t < end:
                     flag, nxt = _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32,
                                          out_f32, base0, stride, obase, oc, oin, nb, K,
-                                         IN_BITS, OUT_BITS, B, G, BPP, REP, U, PAD, EMU)
+                                         IN_BITS, OUT_BITS, B, G, BPP, REP, U, PAD, L2, EMU)
                     bad = bad | tl.where(flag, bit, no_bits)
                     bit = bit << 1
                     t += nprog
@@ -933,7 +986,8 @@ if HAS_TRITON:
         marker = srcs[2] == _INF
         for k in tl.static_range(1, K):
             marker = marker | (srcs[3 * k + 2] == _INF)
-        slow = tl.max(tl.reshape(marker, (BPP,)).to(tl.int32), axis=0) > 0
+        # marker [G, BPP, 1, 1]: the G threads of a block hold it alike (a warp's shuffles)
+        slow = tl.max(tl.reshape(tl.max(marker.to(tl.int32), 0), (BPP,)), 0) > 0
         y = _tl_join8(a0, a1, a2, a3, a4, a5, a6, a7, G, BPP, REP, U) * scale
         # Back to memory order, [block, element in block]: the store then gets its own layout
         # (consecutive threads, consecutive 16-byte vectors; the compiler moves the values
@@ -988,7 +1042,10 @@ if HAS_TRITON:
 # sizes its tiles by elems_per_thread (from prefetch_words) and runs programs_per_sm persistent
 # programs per SM, all resident at once: the launcher caps registers to fit them (a program
 # that does not fit starts when another ends and finishes alone; INT4 sources at 255 registers,
-# two resident: 73% of copy with 2 or 4 per SM, 60% with 3). Chosen by sweeps of
+# two resident: 73% of copy with 2 or 4 per SM, 60% with 3). l2_prefetch: whether a program
+# asks L2 for the tile after the one in its registers (INT4 sources, 256 MB / 1 GB gradient:
+# 82% / 90% of copy with it, 73% / 79% without, 80% / 89% asking 2 tiles ahead; INT8 sources,
+# 3 programs per SM: 7-8 points lower with it). Chosen by sweeps of
 # examples/bench_grad_kernels.py on an H200: INT8 sources ran at 97% of copy with 32 elements
 # per thread and 3 programs per SM against 85% with 16 and 4; INT4 -> bf16 dequantize_reduce
 # ran at 88% of copy with U = 4 and 4096 elements against 83% with the fp32 output's choice
@@ -996,8 +1053,10 @@ if HAS_TRITON:
 TUNING = {
     "quantize": {4: dict(tile_elems=8192, num_warps=4, octets=2),
                  8: dict(tile_elems=8192, num_warps=4, octets=2)},
-    "reduce_requantize": {4: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=2),
-                          8: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=3)},
+    "reduce_requantize": {4: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=2,
+                              l2_prefetch=True),
+                          8: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=3,
+                              l2_prefetch=False)},
     "dequantize_reduce": {(4, 2): dict(tile_elems=4096, num_warps=4, octets=4),
                           (4, 4): dict(tile_elems=2048, num_warps=4, octets=2),
                           (8, 2): dict(tile_elems=2048, num_warps=4, octets=2),
@@ -1140,13 +1199,14 @@ def qgz_quantize_triton(grad, num_nodes, ranks_per_node, bits, block_size, *, ti
 def qgz_reduce_requantize_triton(recv: torch.Tensor, num_sources: int, num_pieces: int,
                                  shard_size: int, in_bits: int, out_bits: int, block_size: int,
                                  *, tile_elems: int | None = None, num_warps: int | None = None,
-                                 programs_per_sm: int | None = None,
-                                 slow_chunk: int = 32) -> torch.Tensor:
+                                 programs_per_sm: int | None = None, slow_chunk: int = 32,
+                                 l2_prefetch: bool | None = None) -> torch.Tensor:
     """Triton launcher of ``zpp::qgz_reduce_requantize``. Tuning (defaults from TUNING):
     ``tile_elems`` (elems_per_thread * 32 * num_warps), ``num_warps``, ``programs_per_sm``
     (persistent programs per SM, split over the pieces, their registers capped so that all are
     resident at once); ``slow_chunk``: tiles a program runs between two looks for tiles that
-    need the slow path (1 to 32)."""
+    need the slow path (1 to 32); ``l2_prefetch``: whether a program asks L2 for the tile after
+    the one its registers prefetch (GPU only)."""
     _require_triton(block_size)
     _check_reduce_args(recv, num_sources, num_pieces, shard_size, in_bits, block_size)
     _check_bits(out_bits, "out_bits")
@@ -1165,6 +1225,7 @@ def qgz_reduce_requantize_triton(recv: torch.Tensor, num_sources: int, num_piece
     full_tiles = nb // bpp
     per_sm = programs_per_sm or tune["programs_per_sm"]
     programs = max(1, min(full_tiles, per_sm * _num_sms(recv.device) // num_pieces))
+    l2 = tune["l2_prefetch"] if l2_prefetch is None else bool(l2_prefetch)
     ob = block_size // 8
     with _LaunchCtx(recv):
         _qgz_reduce_requantize_kernel[(programs, num_pieces)](
@@ -1172,8 +1233,8 @@ def qgz_reduce_requantize_triton(recv: torch.Tensor, num_sources: int, num_piece
             out.view(torch.float32), num_pieces, nb, full_tiles, K=num_sources, IN_BITS=in_bits,
             OUT_BITS=out_bits, B=block_size, BPP=bpp, G=G, REP=rep, U=U,
             PAD=(ob & (ob - 1)) != 0, TAIL=(nb % bpp != 0), CHUNK=slow_chunk,
-            EMU=_interpreting(), num_warps=warps, maxnreg=_register_cap(recv.device, per_sm, warps),
-            enable_fp_fusion=False)
+            L2=l2, EMU=_interpreting(), num_warps=warps,
+            maxnreg=_register_cap(recv.device, per_sm, warps), enable_fp_fusion=False)
     return out
 
 

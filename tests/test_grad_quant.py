@@ -338,15 +338,16 @@ def received(K: int, P: int, S: int, bits: int, B: int, seed: int, special: bool
 
 
 @needs_triton
-@pytest.mark.parametrize("in_bits,out_bits,slow_chunk", [(4, 4, 32), (8, 8, 32), (8, 4, 32),
-                                                         (4, 8, 32), (8, 4, 1)])
-def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, slow_chunk):
+@pytest.mark.parametrize("in_bits,out_bits,slow_chunk,l2_prefetch", [
+    (4, 4, 32, None), (8, 8, 32, True), (8, 4, 32, None), (4, 8, 32, False), (8, 4, 1, None)])
+def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, slow_chunk, l2_prefetch):
     """More full tiles than programs: 3 programs (the interpreter counts 3 SMs) walk 6 tiles of
     4 blocks, program i tiles i and i + 3 (the next tile's loads issued before the current
     tile's arithmetic; the tiles that need the slow path redone after both, or after each
     with slow_chunk=1), then the partial last tile (partial last block). The inputs hold what
     the kernel branches on (tile 4 none of it: its sum comes from the prefetched words), and
-    the output keeps it visible."""
+    the output keeps it visible. With and without the L2 prefetch (on the GPU; the
+    interpreter has no cache to ask)."""
     K, B, S = 2, 32, 25 * 32 + 5
     recv = received(K, 1, S, in_bits, B, seed=in_bits * 10 + out_bits, special=True)
     _, s_in = gq.unpack_pieces(recv[:gq.piece_bytes(S, B, in_bits)], 1, S, in_bits, B)
@@ -356,7 +357,7 @@ def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, slow_chunk)
     assert (s_out == math.inf).sum() > (s_in == math.inf).sum()    # finite sums overflowed
     out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, 1, S, in_bits, out_bits, B,
                                           tile_elems=128, programs_per_sm=1,
-                                          slow_chunk=slow_chunk).cpu()
+                                          slow_chunk=slow_chunk, l2_prefetch=l2_prefetch).cpu()
     assert torch.equal(out, ref)
 
 
