@@ -851,6 +851,13 @@ if HAS_TRITON:
         return a | b
 
     @triton.jit
+    def _tl_prefetch_lines(ptrs, on):
+        """``prefetch.global.L2`` of the line of each pointer where ``on``."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, on.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _tl_prefetch_l2(in_w32, in_f32, base0, stride, t, full_tiles, nb, K: tl.constexpr,
                         BITS: tl.constexpr, B: tl.constexpr, BPP: tl.constexpr):
         """If full tile t exists: ask L2 for its lines, code words and scales of every source
@@ -865,13 +872,8 @@ if HAS_TRITON:
         # the tile's scales: BPP floats, in at most two lines (its first and last scale's)
         scales = (base0 + src * stride + tl.cast(nb, tl.int64) * (B * BITS // 32) + b0
                   + tl.arange(0, 2)[None, :] * (BPP - 1))
-        asm: tl.constexpr = ("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                             "mov.b32 $0, 0; }")
-        tl.inline_asm_elementwise(asm, "=r,l,r", [in_w32 + words, (on & (line < LPS)).to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise(asm, "=r,l,r", [in_f32 + scales,
-                                                  tl.broadcast_to(on, (KP, 2)).to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        _tl_prefetch_lines(in_w32 + words, on & (line < LPS))
+        _tl_prefetch_lines(in_f32 + scales, tl.broadcast_to(on, (KP, 2)))
 
     @triton.jit
     def _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32, out_f32, base0, stride,
@@ -888,7 +890,7 @@ if HAS_TRITON:
         nxt = _tl_load_tile(in_w32, in_f32, base0, stride,
                             tl.minimum(t + nprog, full_tiles - 1) * BPP, oc, oin, nb, K,
                             IN_BITS, B, G, BPP, REP, U, PAD)
-        if L2 and not EMU:
+        if L2:
             _tl_prefetch_l2(in_w32, in_f32, base0, stride, t + 2 * nprog, full_tiles, nb, K,
                             IN_BITS, B, BPP)
         bad = _tl_sum_requant_store(cur, out_w32, out_f32, obase, t * BPP, oc, oin, nb, K,
@@ -943,7 +945,7 @@ if HAS_TRITON:
         if full_tiles > 0:   # then i < full_tiles (the launcher's grid)
             nxt = _tl_load_tile(in_w32, in_f32, base0, stride, i * BPP, oc, oin, nb, K,
                                 IN_BITS, B, G, BPP, REP, U, PAD)
-            if L2 and not EMU:
+            if L2:
                 _tl_prefetch_l2(in_w32, in_f32, base0, stride, i + nprog, full_tiles, nb, K,
                                 IN_BITS, B, BPP)
             c = i
@@ -1225,7 +1227,8 @@ def qgz_reduce_requantize_triton(recv: torch.Tensor, num_sources: int, num_piece
     full_tiles = nb // bpp
     per_sm = programs_per_sm or tune["programs_per_sm"]
     programs = max(1, min(full_tiles, per_sm * _num_sms(recv.device) // num_pieces))
-    l2 = tune["l2_prefetch"] if l2_prefetch is None else bool(l2_prefetch)
+    # the interpreter has no cache to ask (nor inline assembly)
+    l2 = (tune["l2_prefetch"] if l2_prefetch is None else bool(l2_prefetch)) and not _interpreting()
     ob = block_size // 8
     with _LaunchCtx(recv):
         _qgz_reduce_requantize_kernel[(programs, num_pieces)](
