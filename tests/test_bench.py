@@ -174,3 +174,14 @@ def test_the_median_round_is_reported_with_every_round():
     assert median_round(runs) == {"name": "all3", "ms_per_step": 140.0, "ms_per_step_rounds": [140.0, 120.0, 180.0]}
     # Of an even count, the slower of the two middle runs.
     assert median_round(runs[:2])["ms_per_step"] == 140.0
+
+
+def test_the_triton_copy_of_the_kernel_benchmark_copies_every_element():
+    """The kernel benchmark's copy reference (the faster of memcpy and this copy) must copy
+    all of its input, a partial last program included."""
+    pytest.importorskip("triton")
+    import bench_grad_kernels
+    src = torch.arange(3 * 1024 + 5, dtype=torch.int32)
+    dst = torch.zeros_like(src)
+    bench_grad_kernels.triton_copy(src, dst)
+    assert torch.equal(dst, src)
