@@ -16,8 +16,9 @@ default block size; each kernel in the shape it has in the pipeline:
     dequantize_reduce   reads N pieces, writes S elements in the gradient's dtype
 
 Effective bandwidth = (bytes read + bytes written) / time, against a device-to-device copy
-that moves the same bytes (read + written) as the kernel: the fixed cost of a launch weighs
-on both alike. Every measurement rotates over several
+that moves the same bytes (read + written) as the kernel, the faster of the driver's memcpy and
+a Triton copy (``bench_copy``): the fixed cost of a launch weighs on both alike. Every
+measurement rotates over several
 buffer sets whose total exceeds L2, and replays the launches from a CUDA graph so that the
 Python launch cost does not show up as GPU idle time. Each row also says whether the Triton
 kernel matched the torch twin bit for bit on an odd-sized input with inf / NaN / tiny values.

@@ -99,8 +99,8 @@ more instructions.
 
 Measured (H200, 2 nodes x 4 ranks, block 256, against a copy of the same bytes, see the
 benchmark): ``qgz_quantize`` and ``qgz_dequantize_reduce`` run at copy bandwidth;
-``qgz_reduce_requantize`` with INT8 sources at 95-97% (256 MB gradient) and 99-100% (1 GB),
-with INT4 sources at 79-82% and 88%. With INT4 sources it issues ~17.7 instructions per output
+``qgz_reduce_requantize`` with INT8 sources at 96-99% (256 MB gradient) and 100-101% (1 GB),
+with INT4 sources at 80-84% and 88-90%. With INT4 sources it issues ~17.7 instructions per output
 element with 4 sources (sm_90 SASS), 12.5 of them the decode -- LOP3, FADD, FFMA per code and
 source, one shift per word: the floor of this exact decode-and-fma scheme -- against the ~20 per
 2.5 bytes that an H200 issues in the time of a copy (ncu: instructions issued in 75% of the
