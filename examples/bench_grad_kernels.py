@@ -194,14 +194,14 @@ def bench_copy(nbytes: int, dev, iters, reps, cuda, l2):
 
 def sweep_configs(kernel: str) -> list:
     """Tuning keywords that --sweep tries for a kernel. reduce_requantize: warps x elements
-    per thread (16 warps per SM in programs, as the defaults), then the persistent grid's
-    programs per SM, then with and without the L2 prefetch."""
+    per thread (programs of 16 warps per SM in all), then the persistent grid's programs per SM
+    (one warp each, as the defaults), then with and without the L2 prefetch."""
     if kernel != "reduce_requantize":
         return [dict(tile_elems=tile, num_warps=warps)
                 for tile in (2048, 4096, 8192, 16384) for warps in (4, 8)]
     cfgs = [dict(num_warps=warps, tile_elems=e * 32 * warps, programs_per_sm=max(1, 16 // warps))
             for warps in (1, 4, 8) for e in (16, 32, 64)]
-    cfgs += [dict(programs_per_sm=p) for p in (2, 8)]
+    cfgs += [dict(programs_per_sm=p) for p in (4, 8, 12, 16)]
     cfgs += [dict(l2_prefetch=on) for on in (False, True)]
     return cfgs
 

@@ -87,8 +87,13 @@ latency show. Its grid is persistent: ``programs_per_sm`` programs per SM, split
 pieces, all resident at once (the launcher caps their registers to fit), walk the full tiles of
 their piece (unmasked), each issuing the next tile's loads (all sources, 16-byte vectors) before
 the current tile's arithmetic, so that a program's loads are in flight while it computes; a
-piece's partial last tile comes after the loop. A thread holds ``elems_per_thread`` elements,
-so that the prefetched words fit in registers. With INT4 sources that one tile in flight per
+piece's partial last tile comes after the loop. A program is one warp (TUNING): its blocks,
+their absmax and their scales stay within the warp, so the loop has no shared memory and no
+barrier (sm_90 SASS). With 4 warps Triton split a tile's blocks over the warps and each tile took
+12 barriers (scales to the tile's layout, absmax across warps). Measured against 4 warps in one
+run (H200, INT4 and INT8 sources, bf16 and fp32, 256 MB and 1 GB): 0.3 to 1.3 points of copy
+faster in 11 of 12 rows, 0.4 slower in one. A thread holds ``elems_per_thread`` elements, so
+that the prefetched words fit in registers. With INT4 sources that one tile in flight per
 program left the loads waiting on DRAM (ncu: 0.73 cycles of long-scoreboard stall per issued
 instruction), so a program also asks L2 for the tile after it (``prefetch.global.L2``, one line
 per thread: no registers; 0.23 after). Block scales are loaded and stored through a block index
@@ -99,14 +104,17 @@ more instructions.
 
 Measured (H200, 2 nodes x 4 ranks, block 256, against a copy of the same bytes, see the
 benchmark): ``qgz_quantize`` and ``qgz_dequantize_reduce`` run at copy bandwidth;
-``qgz_reduce_requantize`` with INT8 sources at 96-99% (256 MB gradient) and 100-101% (1 GB),
-with INT4 sources at 80-84% and 88-90%. With INT4 sources it issues ~17.7 instructions per output
+``qgz_reduce_requantize`` with INT8 sources at 95-99% (256 MB gradient) and 100-102% (1 GB),
+with INT4 sources at 78-84% and 87-91%. With INT4 sources it issues ~17.7 instructions per output
 element with 4 sources (sm_90 SASS), 12.5 of them the decode -- LOP3, FADD, FFMA per code and
 source, one shift per word: the floor of this exact decode-and-fma scheme -- against the ~20 per
 2.5 bytes that an H200 issues in the time of a copy (ncu: instructions issued in 75% of the
 cycles); at 256 MB a program walks 16 tiles, and the programs' first tiles land 2.7 to 5.3 us
-after the start (timestamps taken in the kernel): the late ones stay late, and the last ends
-~2.8 us after the median one.
+after the start (timestamps taken in the kernel, then of 4 warps): the late ones stay late, and
+the last ends ~2.8 us after the median one. Tiles claimed from atomic counters instead (one per
+piece, or one per group of programs) did not pay: with the claiming code in the loop the kernel
+ran 8 to 9 points of copy slower even when every tile was assigned statically (ptxas issued the
+next tile's loads later in the loop), and 10 to 20 slower with the claims.
 """
 from __future__ import annotations
 
@@ -929,9 +937,9 @@ if HAS_TRITON:
         p (unmasked unless PAD), then, if the piece ends in a partial tile (TAIL) and i == 0,
         that tile. Tiles whose sums are not all finite (RARE) get the slow path after every
         CHUNK (<= 32) tiles of the program: each block keeps a bit per tile in a register, and
-        the program combines them once per chunk (a reduction across its warps goes through
-        shared memory and barriers: done per tile, the INT4 > INT4 kernel ran at 69.7% of copy
-        against 74.5%, in two runs on an H200)."""
+        the program combines them once per chunk, not per tile (with 4 warps per program that
+        reduction went through shared memory and barriers, and done per tile the INT4 > INT4
+        kernel ran at 69.7% of copy against 74.5%, in two runs on an H200)."""
         i = tl.program_id(0)
         nprog = tl.num_programs(0)
         p = tl.program_id(1)
@@ -1056,9 +1064,9 @@ if HAS_TRITON:
 TUNING = {
     "quantize": {4: dict(tile_elems=8192, num_warps=4, octets=2),
                  8: dict(tile_elems=8192, num_warps=4, octets=2)},
-    "reduce_requantize": {4: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=2,
+    "reduce_requantize": {4: dict(prefetch_words=32, num_warps=1, octets=4, programs_per_sm=8,
                               l2_prefetch=True),
-                          8: dict(prefetch_words=32, num_warps=4, octets=4, programs_per_sm=3,
+                          8: dict(prefetch_words=32, num_warps=1, octets=4, programs_per_sm=12,
                               l2_prefetch=False)},
     "dequantize_reduce": {(4, 2): dict(tile_elems=4096, num_warps=4, octets=4),
                           (4, 4): dict(tile_elems=2048, num_warps=4, octets=2),

@@ -379,9 +379,11 @@ def test_triton_reduce_requantize_default_tiles(in_bits, out_bits, K, B):
 
 def test_reduce_requantize_register_cap():
     """programs_per_sm programs of 4 warps share an SM's 65536 registers (in units of 8 per
-    thread, at most 255 each): 2 -> 255, 3 -> 168, 4 -> 128."""
+    thread, at most 255 each): 2 -> 255, 3 -> 168, 4 -> 128; of one warp (the defaults, TUNING):
+    8 -> 255, 12 -> 168, 16 -> 128."""
     cpu = torch.device("cpu")
     assert [gq._register_cap(cpu, n, 4) for n in (1, 2, 3, 4)] == [255, 255, 168, 128]
+    assert [gq._register_cap(cpu, n, 1) for n in (8, 12, 16)] == [255, 168, 128]
 
 
 def test_reduce_requantize_elements_per_thread():
