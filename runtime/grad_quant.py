@@ -98,7 +98,8 @@ program left the loads waiting on DRAM (ncu: 0.73 cycles of long-scoreboard stal
 instruction), so a program also asks L2 for the tile after it (``prefetch.global.L2``, one line
 per thread: no registers; 0.23 after). Block scales are loaded and stored through a block index
 laid out as the tile (``_tl_block_ids``): laid out by its contiguity, a [BPP] vector of scales
-went through shared memory, with two barriers per source and tile. Packing multiplies by a
+went through shared memory, with two barriers per source and tile (in one-warp programs the
+index keeps them in registers; with 4 warps the conversion remains). Packing multiplies by a
 run-time 16 or 256 (IMAD chains): LLVM would distribute constant shifts over the sums, costing
 more instructions.
 
@@ -684,8 +685,9 @@ if HAS_TRITON:
         scales. Laid out as the tile: Triton lays out a memory access by the contiguity of its
         addresses, and a [BPP] vector of consecutive blocks gets one block per lane, which the
         arithmetic then converts to the tile's layout through shared memory (two barriers per
-        source and tile). Times a run-time 1, the index shows no contiguity, and the layout
-        Triton picks maps every element to the same thread as the tile does (no conversion)."""
+        source and tile). Times a run-time 1, the index shows no contiguity, and in one-warp
+        programs the layout Triton picks maps every element to the same thread as the tile does
+        (no conversion, sm_90 SASS); with 4 warps it still differs."""
         one = (nb >> 31) + 1                                       # nb >= 0: a run-time 1
         bid = b0 + (tl.arange(0, BPP) * one)[None, :, None, None]
         return tl.broadcast_to(bid, (G, BPP, 1, 1))
@@ -1052,15 +1054,16 @@ if HAS_TRITON:
 # above the kernels). A thread holds tile_elems / (32 * num_warps) elements; reduce_requantize
 # sizes its tiles by elems_per_thread (from prefetch_words) and runs programs_per_sm persistent
 # programs per SM, all resident at once: the launcher caps registers to fit them (a program
-# that does not fit starts when another ends and finishes alone; INT4 sources at 255 registers,
-# two resident: 73% of copy with 2 or 4 per SM, 60% with 3). l2_prefetch: whether a program
-# asks L2 for the tile after the one in its registers (INT4 sources, 256 MB / 1 GB gradient:
-# 82% / 90% of copy with it, 73% / 79% without, 80% / 89% asking 2 tiles ahead; INT8 sources,
-# 3 programs per SM: 7-8 points lower with it). Chosen by sweeps of
-# examples/bench_grad_kernels.py on an H200: INT8 sources ran at 97% of copy with 32 elements
-# per thread and 3 programs per SM against 85% with 16 and 4; INT4 -> bf16 dequantize_reduce
-# ran at 88% of copy with U = 4 and 4096 elements against 83% with the fp32 output's choice
-# (which got 79% with it).
+# that does not fit starts when another ends and finishes alone). Its programs are one warp
+# each, 8 per SM with INT4 sources and 12 with INT8: the warps per SM that sweeps of 4-warp
+# programs chose (INT4 sources at 255 registers: 73% of copy with 2 or 4 programs per SM, 60%
+# with 3; INT8: 97% with 32 elements per thread and 3 per SM against 85% with 16 and 4), without
+# a tile's blocks split over warps (module docstring). l2_prefetch: whether a program asks L2
+# for the tile after the one in its registers (INT4 sources, 256 MB / 1 GB gradient: 82% / 90%
+# of copy with it, 73% / 79% without, 80% / 89% asking 2 tiles ahead; INT8 sources: 7-8 points
+# lower with it). Chosen by sweeps of examples/bench_grad_kernels.py on an H200; INT4 -> bf16
+# dequantize_reduce ran at 88% of copy with U = 4 and 4096 elements against 83% with the fp32
+# output's choice (which got 79% with it).
 TUNING = {
     "quantize": {4: dict(tile_elems=8192, num_warps=4, octets=2),
                  8: dict(tile_elems=8192, num_warps=4, octets=2)},
