@@ -1,27 +1,34 @@
-"""Train a small byte-level GPT with zeropp on the Python standard library's own source code.
+"""Train a small byte-level GPT with ZeRO++ on the Python standard library's own source code.
 
-    torchrun --nproc_per_node=2 examples/train_gpt.py                  # CPU (gloo) or GPUs (NCCL)
-    torchrun --nproc_per_node=8 examples/train_gpt.py --qwz --hpz 8 --qgz
+    torchrun --nproc_per_node=2 examples/train_gpt.py            # ZeRO++: qwZ + hpZ + qgZ
+    torchrun --nproc_per_node=2 examples/train_gpt.py --zero3    # the plain ZeRO-3 baseline
+    torchrun --nproc_per_node=2 examples/train_gpt.py --no-qgz   # switch one technique off
 
 Each rank keeps 1/N of the weights (ZeRO-3); the model runs through
 torch.compile(backend="zeropp"), which turns the gathers and gradient reductions into the
-collectives the flags ask for. Prints loss, tokens/s and the bytes each rank receives per step.
+collectives the flags ask for: CPU ranks talk over gloo, GPU ranks over NCCL. At the end it prints
+the bytes each rank received per step, phase by phase, against plain ZeRO-3 for the same model.
+
+ZeRO++ saves bytes that cross between nodes. Launched on one machine, the ranks are counted as two
+emulated nodes (`--ranks-per-node` sets another split); launched over several machines, torchrun's
+nodes are the nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import zpp_compile as zpp
-from gpt import GPT, GPTConfig, batch, init_distributed, stdlib_bytes  # examples/gpt.py
+from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
-
-# ----------------------------------------------------------------------------- training
+TECHNIQUE_OF_PHASE = {"forward weight gather": "qwZ", "backward weight gather": "hpZ", "gradient reduction": "qgZ"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,24 +42,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--data-bytes", type=int, default=8_000_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--qwz", action="store_true", help="quantized weight all-gather (INT8)")
-    p.add_argument("--hpz", type=int, default=0, help="hpZ secondary group size (0 = off)")
-    p.add_argument("--qgz", action="store_true", help="quantized gradient reduction")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="emulate nodes of this many ranks")
-    p.add_argument("--config", help="a zeropp JSON config (flags above are applied on top)")
+    p.add_argument("--zero3", action="store_true", help="plain ZeRO-3: every ZeRO++ technique off")
+    p.add_argument("--qwz", action=argparse.BooleanOptionalAction, default=None,
+                   help="quantized weight all-gather, INT8 (default: on)")
+    p.add_argument("--hpz", type=int, default=None,
+                   help="hpZ secondary group size, 0 = off (default: the ranks of one node)")
+    p.add_argument("--qgz", action=argparse.BooleanOptionalAction, default=None,
+                   help="quantized two-hop gradient reduction (default: on)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (default: torchrun's nodes; on one machine, two emulated nodes)")
+    p.add_argument("--config", help="a zeropp JSON config, used instead of the ZeRO++ defaults (flags still apply)")
     p.add_argument("--eager", action="store_true", help="run without torch.compile (plain ZeRO-3)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines when not on a terminal")
     return p.parse_args(argv)
+
+
+def nodes(world: int, requested: int | None) -> tuple[int, str]:
+    """Ranks per node, and how they were counted (for the first line of output)."""
+    launched_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if requested:
+        return requested, f"{plural(world // requested, 'node')} of {plural(requested, 'rank')} (--ranks-per-node)"
+    if launched_per_node < world:
+        return launched_per_node, f"{plural(world // launched_per_node, 'node')} of {plural(launched_per_node, 'rank')}"
+    per_node = emulated_ranks_per_node(world, None)
+    return per_node, (f"one machine, counted as {plural(world // per_node, 'emulated node')} of "
+                      f"{plural(per_node, 'rank')} (--ranks-per-node to change)")
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def make_config(args: argparse.Namespace, ranks_per_node: int, use_cuda: bool) -> zpp.Config:
+    """The ZeRO++ defaults (or --config, or plain ZeRO-3 with --zero3), then the flags on top."""
+    if args.config:
+        config = zpp.Config.load(args.config)
+    elif args.zero3:
+        config = zpp.Config()
+    else:
+        config = zpp.Config(quantized_weights=True, hpz_partition_size=ranks_per_node, quantized_gradients=True)
+    flags = {"quantized_weights": args.qwz, "hpz_partition_size": args.hpz, "quantized_gradients": args.qgz}
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    overrides["ranks_per_node"] = config.ranks_per_node or ranks_per_node
+    if use_cuda and config.param_dtype is None:
+        overrides["param_dtype"] = "bf16"
+    return config.updated(overrides)
 
 
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     device = init_distributed()
-    use_cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
+    ranks_per_node, how_counted = nodes(world, args.ranks_per_node)
+    config = make_config(args, ranks_per_node, device.type == "cuda")
 
-    overrides = {"quantized_weights": args.qwz, "hpz_partition_size": args.hpz, "quantized_gradients": args.qgz,
-                 "ranks_per_node": args.ranks_per_node, "param_dtype": "bf16" if use_cuda else None}
-    config = zpp.Config.load(args.config).updated({k: v for k, v in overrides.items() if v})
     torch.manual_seed(args.seed)
     cfg = GPTConfig(seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers)
     model = zpp.shard(GPT(cfg).to(device), config)
@@ -63,10 +106,11 @@ def main(argv: list[str] | None = None) -> float:
     tokens_per_step = world * args.batch * args.seq
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"zeropp: {n_params / 1e6:.2f}M parameters, {world} ranks, {len(data) / 1e6:.1f} MB of stdlib source, "
-              f"{'eager' if args.eager else 'compiled'}, config: qwZ={config.quantized_weights} "
-              f"hpZ={config.hpz_partition_size} qgZ={config.quantized_gradients}", flush=True)
-    loss_value, start = float("nan"), None
+        print(f"zeropp: {world} ranks on {device.type} ({dist.get_backend()}), {how_counted}; "
+              f"{describe(config)}, {'eager' if args.eager else 'compiled'}; "
+              f"GPT of {n_params / 1e6:.2f}M parameters on {len(data) / 1e6:.1f} MB of stdlib source", flush=True)
+    loss_value, start = float("nan"), time.perf_counter()
+    progress = Progress(args.steps, enabled=rank == 0)
     for step in range(args.steps):
         x, y = batch(data, step, rank, world, args.batch, args.seq, args.seed)
         loss = step_model(x.to(device), y.to(device))
@@ -76,26 +120,74 @@ def main(argv: list[str] | None = None) -> float:
         opt.zero_grad(set_to_none=True)
         if step == 0:  # the first step compiles; time the rest
             start = time.perf_counter()
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             loss_value = loss.item()
-            elapsed = time.perf_counter() - start
-            speed = tokens_per_step * step / elapsed if step and elapsed > 0 else 0.0
-            intra, inter = zpp.step_comm_bytes()
-            held = f"  hpZ copies {zpp.secondary_copy_bytes() / 1e6:.1f} MB" if config.hpz_partition_size else ""
-            progress(step + 1, args.steps, f"loss {loss_value:.3f}  {speed:,.0f} tok/s  "
-                     f"comm/step/rank {intra / 1e6:.2f} MB intra-node + {inter / 1e6:.2f} MB inter-node{held}")
+            speed = tokens_per_step * step / (time.perf_counter() - start) if step else 0.0
+            progress.note(f"loss {loss_value:.3f}  {speed:,.0f} tok/s")
+        progress.advance()
+    progress.close()
     if rank == 0:
-        print()
+        print(comm_summary(zpp.comm_report(), config, eager=args.eager), flush=True)
     zpp.release_cuda_graphs()  # with Config.cuda_graphs: a captured NCCL collective blocks the teardown
     dist.destroy_process_group()
     return loss_value
 
 
-def progress(done: int, total: int, text: str) -> None:
-    width = 24
-    filled = width * done // total
-    sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  {text}")
-    sys.stdout.flush()
+def describe(config: zpp.Config) -> str:
+    on = [name for name, enabled in (("qwZ", config.quantized_weights), ("hpZ", config.hpz_partition_size),
+                                     ("qgZ", config.quantized_gradients)) if enabled]
+    return f"ZeRO++ ({' + '.join(on)})" if on else "plain ZeRO-3"
+
+
+class Progress:
+    """A tqdm bar on a terminal; one plain line per report elsewhere (logs, CI, pipes)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = total, enabled, 0
+        self.bar = tqdm(total=total, file=sys.stdout) if enabled and sys.stdout.isatty() else None
+
+    def note(self, text: str) -> None:
+        """Shows `text` beside the bar, or prints it on a line of its own."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+        elif self.enabled:
+            print(f"step {self.done + 1}/{self.total}  {text}", flush=True)
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def comm_summary(report: zpp.CommReport, config: zpp.Config, eager: bool) -> str:
+    """One line per phase of a step: the bytes each rank received against plain ZeRO-3's."""
+    if eager:
+        return "eager run: the ZeRO++ passes act under torch.compile, so there is no compiled step to report"
+    mb = lambda n: f"{n / 1e6:7.3f} MB"  # noqa: E731
+    on = {"forward weight gather": config.quantized_weights, "backward weight gather": config.hpz_partition_size,
+          "gradient reduction": config.quantized_gradients}
+    base_intra, base_inter = report.baseline_intra_bytes // 3, report.baseline_inter_bytes // 3
+    weights = str(config.param_dtype or torch.get_default_dtype()).removeprefix("torch.")
+    gradients = str(config.reduce_dtype).removeprefix("torch.")
+    lines = [f"bytes each rank received per step, against plain ZeRO-3 of the same model moving bf16 weights and "
+             f"gradients (this run: {weights} weights, {gradients} gradient reduction):"]
+    for phase, (intra, inter) in report.by_phase().items():
+        technique = TECHNIQUE_OF_PHASE[phase] if on[phase] else "-"
+        lines.append(f"  {phase:<23} {technique:<4} cross-node {mb(inter)} vs {mb(base_inter)} "
+                     f"{ratio(inter, base_inter):>6}   within a node {mb(intra)} vs {mb(base_intra)}")
+    total, base_total = report.intra_bytes + report.inter_bytes, report.baseline_intra_bytes + base_inter * 3
+    lines.append(f"cross-node bytes per step {ratio(report.inter_bytes, report.baseline_inter_bytes)} of ZeRO-3's "
+                 f"({mb(report.inter_bytes).strip()} vs {mb(report.baseline_inter_bytes).strip()}); "
+                 f"all bytes {ratio(total, base_total)}")
+    return "\n".join(lines)
+
+
+def ratio(value: int, baseline: int) -> str:
+    return f"{value / baseline:.2f}x" if baseline else "-"
 
 
 if __name__ == "__main__":
