@@ -125,6 +125,38 @@ def test_no_gathered_weight_is_saved_for_backward():
     assert (72, 24) in kept[0]
 
 
+def parameter_copies_saved(rank: int, world_size: int, options: dict) -> list[tuple]:
+    """Shapes of the tensors the compiled forward saves for backward that are computed from the
+    parameters alone: equal for two different batches, changed by an optimizer step, and not a
+    parameter's own shard (a constant, like a token count, stays equal throughout)."""
+    torch.manual_seed(0)
+    model = zpp.shard(TinyTransformer().to(device()), zpp.Config(**options))
+    compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shards = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+    (tokens, targets), (other_tokens, other_targets) = batches(2, world_size)
+    saved: list[list[tuple[int, torch.Tensor]]] = []
+    for x, y, step in ((tokens, targets, False), (other_tokens, other_targets, True), (tokens, targets, False)):
+        saved.append([])
+        pack = lambda t: saved[-1].append((t.untyped_storage().data_ptr(), t.clone())) or t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = compiled(x[:PER_RANK].to(device()), y[:PER_RANK].to(device()))
+        loss.backward()
+        if step:
+            opt.step()
+    first, second, after_step = saved
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(first, second))
+    return [tuple(a.shape) for (storage, a), (_, b), (_, c) in zip(first, second, after_step)
+            if storage not in shards and torch.equal(a, b) and not torch.equal(a, c)]
+
+
+def test_forward_saves_no_copy_of_the_parameters():
+    """A bucket's concatenated shards are recomputed in backward like the gather they feed."""
+    assert run_ranks(parameter_copies_saved, 2, {}) == [[], []]
+    # The check can fail: without the reshard pass, the gathered weights are such copies.
+    assert run_ranks(parameter_copies_saved, 2, {"disable_passes": ["reshard_after_forward"]})[0]
+
+
 def compile_unsharded(rank: int, world_size: int) -> str:
     compiled = torch.compile(nn.Linear(4, 4), backend="zeropp")
     with pytest.raises(Exception, match=r"zpp_compile\.shard\(model, config\)") as error:
