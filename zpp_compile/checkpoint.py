@@ -95,10 +95,12 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
     """
     group = _process_group(model, "load_checkpoint")
     path = Path(path)
-    saved = _agree(group, *_read_checksums(path, optimizer))
     had_state = optimizer is not None and bool(optimizer.state)
     try:
-        fresh = _fresh(_state_dicts(model, optimizer), saved)
+        problem, saved = _read_checksums(path, optimizer)
+        template = _state_dicts(model, optimizer)
+        _agree(group, problem or _entries_differ(path, saved, template))
+        fresh = _fresh(template, saved)
         problem, unreadable = None, []
         try:
             dcp.load(fresh, checkpoint_id=path)
@@ -165,7 +167,7 @@ def _fresh(state: Any, saved: dict[str, dict]) -> Any:
     def fresh(name: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        dtype = saved[name]["dtype"] if name in saved else str(value.dtype)
+        dtype = saved.get(name, {}).get("dtype", str(value.dtype))
         return torch.empty_like(value, dtype=getattr(torch, dtype.removeprefix("torch.")))
     return _map_leaves(state, fresh)
 
@@ -199,7 +201,9 @@ def _checksum(tensor: torch.Tensor, first_element: int = 0) -> tuple[int, int]:
 def _checksum_part(tensor: DTensor) -> tuple[int, int]:
     """This rank's part of the checksum of a dim-0 sharded tensor."""
     if tuple(tensor.placements) != (Shard(0),):
-        raise CheckpointError(f"zpp checkpoints hold zeropp's dim-0 sharded tensors; got placements {tensor.placements}")
+        raise CheckpointError(
+            f"zpp checkpoints hold zeropp's dim-0 sharded tensors; got placements {tensor.placements}"
+        )
     start, _ = shard_rows(tensor)
     return _checksum(tensor.to_local(), start * math.prod(tensor.shape[1:]))
 
@@ -243,7 +247,8 @@ def _read_checksums(path: Path, optimizer: torch.optim.Optimizer | None) -> tupl
         saved = document["entries"]
     except FileNotFoundError:
         return (f"{path} has no {CHECKSUM_FILE}: it was not written by zpp.save_checkpoint, or that save did not "
-                "finish. Load an earlier checkpoint (or, if you trust it, load it with torch.distributed.checkpoint)"), {}
+                "finish. Load an earlier checkpoint (or, if you trust it, load it with "
+                "torch.distributed.checkpoint)"), {}
     except (OSError, ValueError, KeyError) as error:
         return f"{checksum_file} is damaged ({error}); load an earlier checkpoint", {}
     if optimizer is not None and not any(name.startswith("optim.") for name in saved):
@@ -266,8 +271,25 @@ def _check_file_sizes(path: Path, storage: Mapping[Any, Any]) -> str | None:
             return f"{file} is missing; copy the whole checkpoint directory, or load an earlier checkpoint"
         if file.stat().st_size < size:
             return (f"{file} is truncated ({file.stat().st_size} bytes; the checkpoint's metadata places data up to "
-                    f"byte {size}): the save or a copy of it did not finish. Copy it again or load an earlier checkpoint")
+                    f"byte {size}): the save or a copy of it did not finish. Copy it again or load an earlier "
+                    "checkpoint")
     return None
+
+
+def _entries_differ(path: Path, saved: dict[str, dict], template: dict[str, Any]) -> str | None:
+    """What the checkpoint and this model and optimizer do not both hold (DCP itself ignores
+    what the checkpoint holds beyond what is asked for)."""
+    wanted = set(_flatten(template))
+    sections = {name.split(".")[0] for name in wanted}
+    extra = sorted(name for name in saved if name.split(".")[0] in sections and name not in wanted)
+    missing = sorted(wanted - set(saved))
+    if not extra and not missing:
+        return None
+    found = [f"missing from the checkpoint: {_listing(missing)}"] if missing else []
+    found += [f"in the checkpoint but not in this model or optimizer: {_listing(extra)}"] if extra else []
+    return (f"{path} does not fit this model and optimizer ({'; '.join(found)}). Load a checkpoint of the same "
+            "architecture and optimizer; an optimizer that has no state yet while the parameters have gradients "
+            "shows no state to load into: call optimizer.zero_grad(set_to_none=True) first")
 
 
 def _verify_local(entries: dict[str, Any], saved: dict[str, dict]) -> list[str]:
@@ -298,12 +320,13 @@ def _all_gather(group: dist.ProcessGroup, value: Any) -> list[Any]:
     return everyone
 
 
-def _agree(group: dist.ProcessGroup, problem: str | None, saved: dict[str, dict]) -> dict[str, dict]:
-    """Raises on every rank if any rank found a problem; otherwise returns `saved`."""
+def _agree(group: dist.ProcessGroup, problem: str | None) -> None:
+    """Raises on every rank if any rank found a problem."""
     problems = {p for p in _all_gather(group, problem) if p}
     if problems:
-        raise CheckpointError(f"zpp.load_checkpoint: {'; '.join(sorted(problems))}. The model and optimizer are unchanged")
-    return saved
+        raise CheckpointError(
+            f"zpp.load_checkpoint: {'; '.join(sorted(problems))}. The model and optimizer are unchanged"
+        )
 
 
 def _raise_on_problems(path: Path, everyone: list[tuple], saved: dict[str, dict]) -> None:
@@ -361,7 +384,8 @@ def _listing(names: list[str], shown: int = 8) -> str:
 def _summary(error: BaseException) -> str:
     """A DCP error in one line per failing rank (its own text is every rank's whole traceback)."""
     if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {_first_line(failure)}" for rank, (failure, _) in sorted(error.failures.items()))
+        failures = sorted(error.failures.items())
+        return "; ".join(f"rank {rank}: {_first_line(failure)}" for rank, (failure, _) in failures)
     return _first_line(error)
 
 

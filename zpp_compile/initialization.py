@@ -65,8 +65,9 @@ class MetaInit:
                 )
         self.init = init
         self.names = {id(module): name or "<root>" for name, module in self.modules}
-        self.initialized: set[int] = set()  # ids of meta parameters whose values were kept
-        self.buffers: dict[int, torch.Tensor] = {}  # id of a meta buffer -> its materialized tensor
+        # Meta tensors already initialized, by id; held, so that no id is reused while sharding.
+        self.initialized: dict[int, nn.Parameter] = {}
+        self.buffers: dict[int, torch.Tensor] = {}  # materialized buffers, by the meta buffer's id
 
     def materialize(self, module: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
         """Initializes `module`'s own meta parameters and buffers on `device`.
@@ -76,25 +77,23 @@ class MetaInit:
         values (as when a model ties weights after building its layers), but this module's init
         still runs on a scratch copy, so the random stream advances as in the unsharded model.
         """
-        names = _meta_tensor_names(module)
-        if not names:
+        params = {name: p for name, p in module._parameters.items() if p is not None and p.is_meta}
+        buffers = {name: b for name, b in module._buffers.items() if b is not None and b.is_meta}
+        if not params and not buffers:
             return {}
-        originals = {name: p for name, p in module._parameters.items() if p is not None and p.is_meta}
-        for name, param in originals.items():
+        for name, param in params.items():
             module._parameters[name] = nn.Parameter(_unset(param, device), requires_grad=param.requires_grad)
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                module._buffers[name] = self.buffers.get(id(buffer), _unset(buffer, device))
+        for name, buffer in buffers.items():
+            module._buffers[name] = self.buffers[id(buffer)] if id(buffer) in self.buffers else _unset(buffer, device)
         self._run_init(module, device)
-        fresh = {name: module._parameters[name] for name, p in originals.items() if id(p) not in self.initialized}
-        self._check_initialized(module, fresh)
-        for name, param in originals.items():  # `shard` finds tied parameters by the original objects
+        kept = {name: module._parameters[name] for name, p in params.items() if id(p) not in self.initialized}
+        self._check_initialized(module, {**kept, **{name: module._buffers[name] for name in buffers}})
+        for name, param in params.items():  # `shard` finds tied parameters by the original objects
             module._parameters[name] = param
-            self.initialized.add(id(param))
-        for name, buffer in module._buffers.items():
-            if buffer is not None:
-                self.buffers.setdefault(id(buffer), buffer)
-        return fresh
+            self.initialized[id(param)] = param
+        for name, buffer in buffers.items():
+            self.buffers.setdefault(id(buffer), module._buffers[name])
+        return kept
 
     def _run_init(self, module: nn.Module, device: torch.device) -> None:
         """Runs the init on this rank's random stream. Rank 0's values are the ones kept; other
@@ -108,9 +107,8 @@ class MetaInit:
             else:
                 module.reset_parameters()
 
-    def _check_initialized(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    def _check_initialized(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Floating tensors start as NaN (`_unset`): one still NaN was not written by the init."""
-        tensors = {**params, **{n: b for n, b in module._buffers.items() if b is not None}}
         unset = [name for name, t in tensors.items() if t.is_floating_point() and bool(t.isnan().any())]
         if unset:
             how = "init(module)" if self.init is not None else f"{type(module).__name__}.reset_parameters()"
@@ -208,10 +206,10 @@ def load_full_state_dict(
     reads one tensor at a time from `state_dict` (any mapping of names to tensors, e.g. one
     reading safetensors files lazily) and scatters it, so every other rank receives its chunk
     only: its memory grows by one chunk at most, never by a full tensor. Names and shapes are
-    checked on `from_rank` first, and a mismatch is raised on every rank before anything is
-    sent. A weight tied across modules may appear under any of its names (HF checkpoints keep
-    only one). With `strict=False`, missing entries keep their current values and extra ones are
-    ignored. Values are cast to each parameter's or buffer's dtype.
+    checked on `from_rank` first (a lazy mapping is read twice), and a mismatch is raised on
+    every rank before anything is sent. A weight tied across modules may appear under any of
+    its names (HF checkpoints keep one). With `strict=False`, missing entries keep their current
+    values and extra ones are ignored. Values are cast to each parameter's or buffer's dtype.
     """
     state = REGISTRY.models.get(model) if isinstance(model, nn.Module) else None
     if state is None:
@@ -256,16 +254,18 @@ def _plan(targets: list[tuple[list[str], torch.Tensor, torch.Size]], state_dict:
           strict: bool) -> tuple[str | None, list[str | None]]:
     """Which entry of `state_dict` each target is read from, or what is wrong with it."""
     if not isinstance(state_dict, Mapping):
-        return f"rank {dist.get_rank()} (from_rank) must pass a mapping of names to tensors, got {type(state_dict).__name__}", []
+        given = type(state_dict).__name__
+        return f"rank {dist.get_rank()} (from_rank) must pass a mapping of names to tensors, got {given}", []
     sources, missing, wrong = [], [], []
     for names, _, shape in targets:
         name = next((n for n in names if n in state_dict), None)
         sources.append(name)
+        value = None if name is None else state_dict[name]
         if name is None:
             missing.append(" / ".join(names))
-        elif not isinstance(state_dict[name], torch.Tensor) or state_dict[name].shape != shape:
-            given = getattr(state_dict[name], "shape", type(state_dict[name]).__name__)
-            wrong.append(f"{name} (model {tuple(shape)}, given {tuple(given) if isinstance(given, torch.Size) else given})")
+        elif not isinstance(value, torch.Tensor) or value.shape != shape:
+            given = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            wrong.append(f"{name} (model {tuple(shape)}, given {given})")
     known = {n for names, _, _ in targets for n in names}
     unexpected = [n for n in state_dict if n not in known]
     problems = [f"shapes differ: {_listing(wrong)}"] if wrong else []
@@ -288,7 +288,7 @@ def _scatter_rows(target: DTensor, value: torch.Tensor | None, src: int, topolog
     received = local.new_empty((per_rank, *target.shape[1:]))
     chunks = None
     if value is not None:
-        full = value.detach().to(topology.device, target.dtype).reshape(target.shape)
+        full = value.detach().to(topology.device, target.dtype).reshape(target.shape).contiguous()
         if per_rank * world > rows:
             full = torch.cat([full, full.new_zeros((per_rank * world - rows, *target.shape[1:]))])
         chunks = list(full.chunk(world))
