@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import zpp_compile as zpp
-from zpp_compile.checkpoint import CHECKSUM_FILE
+from zpp_compile.checkpoint import _PRIME, CHECKSUM_FILE, _checksum
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 from test_zero3 import needs_4_ranks
@@ -223,3 +223,18 @@ def test_safe_checkpoint_load_is_all_or_nothing_and_reshards(tmp_path):
     path = str(tmp_path / "checkpoint")
     run_ranks(safe_checkpoint_world2, 2, path)
     run_ranks(safe_checkpoint_world1, 1, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool])
+def test_checksum_of_a_tensor_is_the_sum_of_its_shards_at_any_split(dtype):
+    tensor = (torch.randn(37, 5, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+    whole = _checksum(tensor)
+    for starts in ([0, 19], [0, 10, 20, 30], [0, 37]):  # shards of 2 and 4 ranks (torch.chunk rows), one empty
+        parts = [_checksum(tensor[a:b], a * 5) for a, b in zip(starts, [*starts[1:], 37])]
+        assert tuple(sum(part[i] for part in parts) % _PRIME for i in range(2)) == whole
+    damaged = tensor.clone()
+    damaged.view(-1)[77] = ~damaged.view(-1)[77] if dtype == torch.bool else damaged.view(-1)[77] + 1
+    assert _checksum(damaged) != whole
+    moved = tensor.clone()
+    moved[[3, 4]] = tensor[[4, 3]]
+    assert torch.equal(moved, tensor) or _checksum(moved) != whole

@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -42,12 +43,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from .initialization import shard_rows
+from .initialization import listing, shard_rows
 from .runtime.registry import REGISTRY
 
 CHECKSUM_FILE = "zeropp_checksums.json"
 _FORMAT = "zeropp-checksums-1"
-_PRIME = 2**31 - 1  # checksums are sums mod this prime; a word (< 2**32) times a weight (< 2**31) fits in int64
+_PRIME = 2**31 - 1  # checksums are sums mod this prime, of 16-bit words times weights below it
 _WORDS_PER_STEP = 1 << 22  # words hashed at once, so the int64 temporaries stay small
 
 
@@ -173,19 +174,19 @@ def _fresh(state: Any, saved: dict[str, dict]) -> Any:
 
 
 def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The tensor's bytes as unsigned words of up to 32 bits (flat, in element order), and words
-    per element. Words are whole elements where an element has at most 4 bytes, so a shard
-    boundary never splits a word."""
+    """The tensor's bytes as unsigned words of 8 or 16 bits (flat, in element order), and words per
+    element. A word never spans two elements, so a shard boundary never splits one."""
     itemsize = tensor.element_size()
-    word = {1: torch.uint8, 2: torch.int16}.get(itemsize, torch.int32)
-    return tensor.detach().contiguous().reshape(-1).view(word), max(1, itemsize // 4)
+    word = torch.uint8 if itemsize == 1 else torch.int16
+    return tensor.detach().contiguous().reshape(-1).view(word), max(1, itemsize // 2)
 
 
 def _checksum(tensor: torch.Tensor, first_element: int = 0) -> tuple[int, int]:
-    """Two position-weighted sums of the tensor's words, mod a prime: word k of the whole tensor
-    weighs (k mod (P-1)) + 1 in one sum and its square in the other. The sums over a shard,
-    given where it starts in the whole tensor, add up (mod P) to those of the whole, at any
-    world size. Any changed word changes both sums, a moved word at least one."""
+    """Two position-weighted sums of the tensor's words, mod the prime P: word k of the whole
+    tensor weighs (k mod (P-1)) + 1 in one sum and the square of that in the other. The sums over
+    a shard, given where it starts in the whole tensor, add up (mod P) to those of the whole, at
+    any world size. A word is smaller than P and no weight is a multiple of it, so one changed
+    word always changes both sums; other damage matches both with a chance of about 1 in P**2."""
     words, per_element = _words(tensor)
     mask = (1 << (8 * words.element_size())) - 1
     first = first_element * per_element
@@ -209,7 +210,9 @@ def _checksum_part(tensor: DTensor) -> tuple[int, int]:
 
 
 def _object_hash(value: Any) -> str:
-    return hashlib.sha256(repr(value).encode()).hexdigest()
+    """A hash of a saved value that is not a tensor (e.g. the optimizer's hyperparameters), over its
+    pickled form, which DCP stores and which survives a round trip unchanged."""
+    return hashlib.sha256(pickle.dumps(value, protocol=4)).hexdigest()
 
 
 def _write_checksums(path: Path, entries: dict[str, Any], partials: list[dict[str, tuple[int, int]]]) -> str | None:
@@ -285,8 +288,8 @@ def _entries_differ(path: Path, saved: dict[str, dict], template: dict[str, Any]
     missing = sorted(wanted - set(saved))
     if not extra and not missing:
         return None
-    found = [f"missing from the checkpoint: {_listing(missing)}"] if missing else []
-    found += [f"in the checkpoint but not in this model or optimizer: {_listing(extra)}"] if extra else []
+    found = [f"missing from the checkpoint: {listing(missing)}"] if missing else []
+    found += [f"in the checkpoint but not in this model or optimizer: {listing(extra)}"] if extra else []
     return (f"{path} does not fit this model and optimizer ({'; '.join(found)}). Load a checkpoint of the same "
             "architecture and optimizer; an optimizer that has no state yet while the parameters have gradients "
             "shows no state to load into: call optimizer.zero_grad(set_to_none=True) first")
@@ -336,7 +339,7 @@ def _raise_on_problems(path: Path, everyone: list[tuple], saved: dict[str, dict]
     failures = sorted({problem for problem, _, _, _ in everyone if problem})
     if failures:
         unreadable = sorted({record for _, records, _, _ in everyone for record in records})
-        where = f": these cannot be read, the files are damaged: {_listing(unreadable)}" if unreadable else ""
+        where = f": these cannot be read, the files are damaged: {listing(unreadable)}" if unreadable else ""
         raise CheckpointError(f"zpp.load_checkpoint: {'; '.join(failures)}{where}. Load an earlier checkpoint. "
                               "The model and optimizer are unchanged")
     damaged = {name for _, _, local, _ in everyone for name in local}
@@ -347,7 +350,7 @@ def _raise_on_problems(path: Path, everyone: list[tuple], saved: dict[str, dict]
     if damaged:
         files = _files_holding(path, damaged)
         raise CheckpointError(
-            f"zpp.load_checkpoint: {path} is damaged: the values read for {_listing(sorted(damaged))} do not match the "
+            f"zpp.load_checkpoint: {path} is damaged: the values read for {listing(sorted(damaged))} do not match the "
             f"checksums saved with them (stored in {', '.join(files)}). Load an earlier checkpoint. The model and "
             "optimizer are unchanged"
         )
@@ -375,10 +378,6 @@ def _unreadable_records(path: Path, rank: int, world_size: int) -> list[str]:
 def _files_holding(path: Path, names: set[str]) -> list[str]:
     storage = dcp.FileSystemReader(path).read_metadata().storage_data
     return sorted({str(path / info.relative_path) for index, info in storage.items() if index.fqn in names})
-
-
-def _listing(names: list[str], shown: int = 8) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _summary(error: BaseException) -> str:

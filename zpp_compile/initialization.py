@@ -33,9 +33,6 @@ from .runtime.topology import Topology
 
 InitFn = Callable[[nn.Module], None]
 
-_MAX_NAMED = 8  # names listed in an error message before "and N more"
-
-
 class MetaInit:
     """Materializes and initializes a model's meta-device modules, one at a time, during `shard`.
 
@@ -46,8 +43,8 @@ class MetaInit:
     def __init__(self, model: nn.Module, init: InitFn | None) -> None:
         if init is not None and not callable(init):
             raise TypeError(f"zpp_compile.shard: init must be a function of one module, got {type(init).__name__}")
-        self.modules = children_first(model)
-        on_meta = [(name, module) for name, module in self.modules if _meta_tensor_names(module)]
+        modules = children_first(model)
+        on_meta = [(name, module) for name, module in modules if _meta_tensor_names(module)]
         if init is not None and not on_meta:
             raise ValueError(
                 "zpp_compile.shard: init= initializes parameters and buffers on the meta device, and this model has "
@@ -59,12 +56,12 @@ class MetaInit:
             if missing:
                 raise ValueError(
                     "zpp_compile.shard: the model is on the meta device (it holds no values yet), and these modules "
-                    f"hold meta parameters or buffers but define no reset_parameters(): {_listing(missing)}. Pass "
+                    f"hold meta parameters or buffers but define no reset_parameters(): {listing(missing)}. Pass "
                     "shard(model, config, init=fn), where fn(module) initializes the module's own parameters and "
                     "buffers (e.g. a HF model's model._init_weights), or build the model on a real device"
                 )
         self.init = init
-        self.names = {id(module): name or "<root>" for name, module in self.modules}
+        self.names = {id(module): name or "<root>" for name, module in modules}
         # Meta tensors already initialized, by id; held, so that no id is reused while sharding.
         self.initialized: dict[int, nn.Parameter] = {}
         self.buffers: dict[int, torch.Tensor] = {}  # materialized buffers, by the meta buffer's id
@@ -113,7 +110,7 @@ class MetaInit:
         if unset:
             how = "init(module)" if self.init is not None else f"{type(module).__name__}.reset_parameters()"
             raise ValueError(
-                f"zpp_compile.shard: {how} left {_listing(unset)} of module {self.names[id(module)]!r} unset (the "
+                f"zpp_compile.shard: {how} left {listing(unset)} of module {self.names[id(module)]!r} unset (the "
                 "model is on the meta device, so these have no values until initialized). The init must set every "
                 "parameter and buffer the module holds itself (recurse=False), as torch's reset_parameters() does"
             )
@@ -148,9 +145,9 @@ def _unset(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out.fill_(math.nan) if out.is_floating_point() or out.is_complex() else out.zero_()
 
 
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_NAMED])
-    return shown + (f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else "")
+def listing(names: list[str], shown: int = 8) -> str:
+    """Names for an error message: the first `shown`, then how many more."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def broadcast_buffers(model: nn.Module, topology: Topology) -> None:
@@ -268,11 +265,11 @@ def _plan(targets: list[tuple[list[str], torch.Tensor, torch.Size]], state_dict:
             wrong.append(f"{name} (model {tuple(shape)}, given {given})")
     known = {n for names, _, _ in targets for n in names}
     unexpected = [n for n in state_dict if n not in known]
-    problems = [f"shapes differ: {_listing(wrong)}"] if wrong else []
+    problems = [f"shapes differ: {listing(wrong)}"] if wrong else []
     if strict and missing:
-        problems.append(f"missing: {_listing(missing)}")
+        problems.append(f"missing: {listing(missing)}")
     if strict and unexpected:
-        problems.append(f"not in the model: {_listing(unexpected)}")
+        problems.append(f"not in the model: {listing(unexpected)}")
     if problems:
         return ("the state dict does not fit the model (" + "; ".join(problems) + "). Load the checkpoint of this "
                 "architecture and config, or pass strict=False to skip missing and extra entries"), []
