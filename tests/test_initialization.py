@@ -230,8 +230,8 @@ def initial_values_run(rank: int, world_size: int) -> dict[str, int]:
 
 def test_meta_init_buffers_and_full_state_dicts_match_the_unsharded_model(monkeypatch):
     # glibc raises its mmap threshold as large blocks are freed, and then keeps freed blocks
-    # resident (a loop of 16 MB temporaries and 8 MB shards holds about twice the live memory).
-    # A fixed threshold returns freed blocks, so resident memory tracks what is alive.
+    # resident, well above the memory alive. A fixed threshold returns freed blocks to the system,
+    # so resident memory tracks what is alive.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     for growth in run_ranks(initial_values_run, 2):
         # A rank holds half of the model; the rest is one layer (16 MB) at a time.

@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from .runtime.registry import REGISTRY
 from .runtime.topology import Topology
 
 InitFn = Callable[[nn.Module], None]
+
 
 class MetaInit:
     """Materializes and initializes a model's meta-device modules, one at a time, during `shard`.
@@ -152,19 +153,11 @@ def listing(names: list[str], shown: int = 8) -> str:
 
 def broadcast_buffers(model: nn.Module, topology: Topology) -> None:
     """Every buffer takes rank 0's value, as DDP does at construction: ranks need not share a seed."""
-    group = topology.mesh.get_group()
-    for buffer in _unique(model.buffers()):
-        staged = buffer.detach().to(topology.device).contiguous()
-        dist.broadcast(staged, group_src=0, group=group)
-        if staged is not buffer:
+    for buffer in model.buffers():
+        staged = buffer.detach().to(topology.device).contiguous()  # the buffer itself where it can be
+        dist.broadcast(staged, group_src=0, group=topology.mesh.get_group())
+        if staged.data_ptr() != buffer.data_ptr():
             buffer.detach().copy_(staged)
-
-
-def _unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for t in tensors:
-        seen.setdefault(id(t), t)
-    return list(seen.values())
 
 
 def accept_full_tensors(module: nn.Module) -> None:
