@@ -73,8 +73,15 @@ def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
         assert torch.equal(got[key].cpu(), value), f"{key} differs from the unsharded model's"
 
 
-def peak_rss_growth(run) -> int:
-    """Bytes by which this process's peak resident memory exceeds its memory before `run()`."""
+def peak_memory_growth(run) -> int:
+    """Bytes by which the peak memory of the device holding the shards exceeds its memory before
+    `run()`: the process's resident memory on CPU, allocated GPU memory on a GPU."""
+    if device().type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        return torch.cuda.max_memory_allocated() - before
+
     def status(field: str) -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
@@ -108,7 +115,8 @@ def meta_init_run(rank: int, world_size: int) -> dict[str, int]:
     # reset_parameters(), the default: equal to the model built on a real device with the same
     # seed. Rank 0's random stream is the one used; the other ranks' are left where they were.
     torch.manual_seed(0)
-    reference = InitModel().to(device())
+    with torch.device(device()):
+        reference = InitModel()
     next_draw = torch.randn(4)
     torch.manual_seed(0 if rank == 0 else 7)
     with torch.device("meta"):
@@ -127,7 +135,8 @@ def meta_init_run(rank: int, world_size: int) -> dict[str, int]:
     # A function of one module, for a model with its own init scheme: as model.apply(fn) on the
     # unsharded model.
     torch.manual_seed(0)
-    reference = InitModel(tied=False).to(device())
+    with torch.device(device()):
+        reference = InitModel(tied=False)
     torch.manual_seed(1)
     reference.apply(small_init)
     with torch.device("meta"):
@@ -158,8 +167,8 @@ def meta_init_run(rank: int, world_size: int) -> dict[str, int]:
     with pytest.raises(ValueError, match="this model has none"):
         zpp.shard(InitModel(), init=small_init)
 
-    # Memory: the model is larger than any rank's growth in resident memory. A full state dict
-    # then loads from rank 0 one tensor at a time (each made as it is read): again a shard's worth.
+    # Memory: the model is larger than any rank's growth in peak memory. A full state dict then
+    # loads from rank 0 one tensor at a time (each made as it is read): a chunk or tensor's worth.
     full_bytes = 24 * 2048 * 2048 * 4
     wide: list[nn.Module] = []
 
@@ -168,9 +177,9 @@ def meta_init_run(rank: int, world_size: int) -> dict[str, int]:
             wide.append(Wide())
         zpp.shard(wide[0])
 
-    init_growth = peak_rss_growth(build)
+    init_growth = peak_memory_growth(build)
     full = LazyStateDict({f"layers.{i}.weight": i for i in range(24)})
-    load_growth = peak_rss_growth(lambda: zpp.load_full_state_dict(wide[0], full if rank == 0 else None))
+    load_growth = peak_memory_growth(lambda: zpp.load_full_state_dict(wide[0], full if rank == 0 else None))
     layer = wide[0].layers[5]._parameters["weight"].to_local()
     assert torch.equal(layer, torch.full_like(layer, 5.0))
     return {"init": init_growth, "load": load_growth, "full": full_bytes}

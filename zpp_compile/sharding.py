@@ -61,7 +61,7 @@ def shard(
     A collective: every rank calls it with the same model structure and config. Rank 0's
     parameter and buffer values are the ones kept, so ranks need not share a seed. Tied
     parameters stay tied; parameters with requires_grad=False are gathered but never reduced;
-    buffers stay replicated, broadcast from rank 0.
+    buffers stay replicated.
 
     A model built on the meta device is materialized one module at a time, children before
     parents: each module's own parameters and buffers are allocated on the target device,
