@@ -246,3 +246,13 @@ def test_meta_init_buffers_and_full_state_dicts_match_the_unsharded_model(monkey
         # A rank holds half of the model; the rest is one layer (16 MB) at a time.
         assert growth["init"] < 0.6 * growth["full"], growth
         assert growth["load"] < 0.1 * growth["full"], growth
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(TypeError, match="init must be a function of one module, got int"):
+        zpp.shard(nn.Linear(2, 2), init=5)
+    with pytest.raises(ValueError, match="load_full_state_dict needs a model sharded by zpp_compile.shard"):
+        zpp.load_full_state_dict(nn.Linear(2, 2), {})
+    for function in (zpp.save_checkpoint, zpp.load_checkpoint):
+        with pytest.raises(ValueError, match=f"zpp.{function.__name__} needs a model sharded by zpp_compile.shard"):
+            function(nn.Linear(2, 2), None, "checkpoint")
