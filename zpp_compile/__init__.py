@@ -8,7 +8,9 @@ from .config import Config, ConfigError
 from .runtime.cuda_graphs import release_cuda_graphs
 from .runtime.ledger import CommReport
 from .runtime.registry import REGISTRY
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .grad_sync import no_sync, set_requires_gradient_sync
+from .initialization import load_full_state_dict
 from .sharding import full_state_dict, shard
 
 
@@ -33,5 +35,5 @@ def comm_report() -> CommReport:
 __all__ = [
     "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
     "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
-    "release_cuda_graphs",
+    "release_cuda_graphs", "save_checkpoint", "load_checkpoint", "CheckpointError", "load_full_state_dict",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .config import Config, ConfigError
 from .grad_sync import gathered_weight
+from .initialization import MetaInit, accept_full_tensors, broadcast_buffers, children_first
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.registry import REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
@@ -49,13 +50,23 @@ class ParamLayout:
         return flat[: self.shape.numel()].view(self.shape)
 
 
-def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = None) -> nn.Module:
+def shard(
+    model: nn.Module,
+    config: Config | Mapping[str, Any] | str | None = None,
+    *,
+    init: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """Shards `model`'s parameters over all ranks, in place, and returns it.
 
     A collective: every rank calls it with the same model structure and config. Rank 0's
-    parameter values are the ones kept, so ranks need not share a seed. Tied parameters stay
-    tied; parameters with requires_grad=False are gathered but never reduced; buffers stay
-    replicated.
+    parameter and buffer values are the ones kept, so ranks need not share a seed. Tied
+    parameters stay tied; parameters with requires_grad=False are gathered but never reduced;
+    buffers stay replicated.
+
+    A model built on the meta device is materialized one module at a time, children before
+    parents: each module's own parameters and buffers are allocated on the target device,
+    initialized by `init(module)` (by default the module's `reset_parameters()`) and sharded, so
+    a rank never holds more than its shards plus one module's parameters in full.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"zpp_compile.shard expects an nn.Module, got {type(model).__name__}")
@@ -63,6 +74,7 @@ def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = No
         raise ValueError("this model is already sharded; call zpp_compile.shard once per model")
     config = Config.load(config)
     _check_same_on_every_rank(model, config)
+    meta_init = MetaInit(model, init)
     topology = _topology(config)
     padded_numel = sum(_padded_numel(p, topology.world.size) for p in model.parameters())
     layers = _layers(model)
@@ -70,7 +82,8 @@ def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = No
     state = ShardingState(config, topology, padded_numel, tuple(layers), layer_nbytes)
     sharding_id = REGISTRY.add_state(state)
     sharded: dict[int, nn.Parameter] = {}
-    for module in model.modules():
+    for _, module in children_first(model):
+        initialized = meta_init.materialize(module, topology.device)
         names = [name for name, p in module._parameters.items() if p is not None]
         if not names:
             continue
@@ -83,12 +96,14 @@ def shard(model: nn.Module, config: Config | Mapping[str, Any] | str | None = No
                     "shards plain parameters (do not combine it with fully_shard or tensor parallel)"
                 )
             if id(param) not in sharded:
-                sharded[id(param)] = _shard_parameter(param, state)
+                sharded[id(param)] = _shard_parameter(initialized.get(name, param), state)
             module._parameters[name] = sharded[id(param)]
             layouts[name] = _layout(param, state, sharding_id)
         module._zpp_layouts = layouts
         module._zpp_accumulators = {}  # filled by set_requires_gradient_sync
         module.__class__ = _gathering_class(type(module), frozenset(names))
+        accept_full_tensors(module)
+    broadcast_buffers(model, topology)
     REGISTRY.models[model] = state
     return model
 
@@ -138,7 +153,7 @@ def _check_same_on_every_rank(model: nn.Module, config: Config) -> None:
     if not dist.is_initialized():
         return  # _topology says how to initialize
     structure = hashlib.sha256(
-        repr([(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]).encode()
+        repr([(name, tuple(p.shape), str(p.dtype), p.is_meta) for name, p in model.named_parameters()]).encode()
     ).hexdigest()
     settings = {k: v for k, v in config.to_dict().items() if k != "dump_dir"}  # may name a per-rank path
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -152,7 +167,7 @@ def _check_same_on_every_rank(model: nn.Module, config: Config) -> None:
         if their_structure != everyone[0][1]:
             raise ValueError(
                 f"zpp_compile.shard got a different model on rank {rank} than on rank 0 (parameter names, "
-                "shapes or dtypes differ); every rank must build the same model before sharding it"
+                "shapes, dtypes or meta device differ); every rank must build the same model before sharding it"
             )
 
 

@@ -1,0 +1,395 @@
+"""`save_checkpoint` / `load_checkpoint`: torch.distributed.checkpoint (DCP) with a checksum per
+saved tensor, and a load that never leaves the model or the optimizer half-overwritten.
+
+DCP writes every rank's shards and reads them back at any world size (resharding on load), but
+it loads in place: a damaged file found midway leaves part of the model overwritten, and damaged
+bytes inside a tensor load without an error. Here `save_checkpoint` writes a DCP checkpoint and,
+beside it, `zeropp_checksums.json`: for every saved tensor, a checksum over the tensor as a
+whole, computed from each rank's shard at its place in the tensor and summed, so it is verified
+at any world size; for every other saved value, a hash. `load_checkpoint` reads the checkpoint
+into fresh buffers, verifies every checksum, agrees with every rank that all of them succeeded
+(a collective over the model's process group, which has `Config.collective_timeout_s`), and
+only then copies into the optimizer and the model. The price is room for a second copy of this
+rank's model and optimizer shards while loading.
+
+The checksums live in a file of their own rather than in DCP's metadata: rank 0 writes it after
+DCP's save has finished, so a save interrupted midway leaves no checksum file and is refused;
+it can be checked before DCP reads anything; and it needs no custom DCP planner or storage
+writer, so the checkpoint stays one that torch's own `dcp.load` reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from .initialization import listing, shard_rows
+from .runtime.registry import REGISTRY
+
+CHECKSUM_FILE = "zeropp_checksums.json"
+_FORMAT = "zeropp-checksums-1"
+_PRIME = 2**31 - 1  # checksums are sums mod this prime, of 16-bit words times weights below it
+_WORDS_PER_STEP = 1 << 22  # words hashed at once, so the int64 temporaries stay small
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the file or tensor and what
+    to do. A failed load leaves the model and the optimizer as they were."""
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
+    """Saves the sharded model and its optimizer's state to the directory `path` (a collective).
+
+    Every rank writes its own shards (torch.distributed.checkpoint); rank 0 then writes the
+    checksums. The checkpoint loads at any world size with `load_checkpoint`, or with
+    `torch.distributed.checkpoint` directly ({"model": ..., "optim": ...} as `get_state_dict`
+    returns them). Pass `optimizer=None` to save the model alone.
+    """
+    group = _process_group(model, "save_checkpoint")
+    path = Path(path)
+    state = _state_dicts(model, optimizer)
+    entries = _flatten(state)
+    partial = {name: _checksum_part(value) for name, value in entries.items() if isinstance(value, DTensor)}
+    if dist.get_rank() == 0:
+        (path / CHECKSUM_FILE).unlink(missing_ok=True)  # a save that stops midway must not look complete
+    try:
+        dcp.save(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+        raise CheckpointError(f"zpp.save_checkpoint: writing {path} failed: {_summary(error)}") from error
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, partial, group=group)
+    written: list[Any] = [None]
+    if dist.get_rank() == 0:
+        written[0] = _write_checksums(path, entries, everyone)
+    dist.broadcast_object_list(written, group_src=0, group=group)
+    if written[0]:
+        raise CheckpointError(f"zpp.save_checkpoint: {written[0]}")
+
+
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
+    """Loads a checkpoint written by `save_checkpoint` into the sharded model and its optimizer
+    (a collective), at any world size.
+
+    Everything is read and verified before anything is copied: a missing, truncated or damaged
+    file, or a checksum that does not match, raises `CheckpointError` on every rank and leaves the
+    model and the optimizer exactly as they were. Pass `optimizer=None` to load the model alone.
+    """
+    group = _process_group(model, "load_checkpoint")
+    path = Path(path)
+    had_state = optimizer is not None and bool(optimizer.state)
+    try:
+        problem, saved = _read_checksums(path, optimizer)
+        template = _state_dicts(model, optimizer)
+        _agree(group, problem or _entries_differ(path, saved, template))
+        fresh = _fresh(template, saved)
+        problem, unreadable = None, []
+        try:
+            dcp.load(fresh, checkpoint_id=path)
+        except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+            problem = f"torch.distributed.checkpoint could not read {path} ({_summary(error)})"
+            unreadable = _unreadable_records(path, dist.get_rank(group), dist.get_world_size(group))
+        entries = _flatten(fresh)
+        local = [] if problem else _verify_local(entries, saved)
+        partial = {} if problem else {n: _checksum_part(v) for n, v in entries.items() if isinstance(v, DTensor)}
+        everyone = _all_gather(group, (problem, unreadable, local, partial))
+        _raise_on_problems(path, everyone, saved)
+    except BaseException:
+        if optimizer is not None and not had_state:
+            optimizer.state.clear()  # made by torch's get_state_dict, which steps once with zero gradients
+        raise
+    if optimizer is not None:  # first: it validates its param groups before it changes anything
+        set_optimizer_state_dict(model, optimizer, fresh["optim"])
+    set_model_state_dict(model, fresh["model"])
+
+
+def _process_group(model: nn.Module, caller: str) -> dist.ProcessGroup:
+    state = REGISTRY.models.get(model) if isinstance(model, nn.Module) else None
+    if state is None:
+        raise ValueError(f"zpp.{caller} needs a model sharded by zpp_compile.shard, got {type(model).__name__}; "
+                         "for an unsharded model use torch.save / torch.load")
+    return state.topology.mesh.get_group()
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _map_leaves(state: Any, fn: Callable[[str, Any], Any], prefix: str = "") -> Any:
+    """`state` rebuilt with `fn(name, value)` applied to every leaf, named as DCP names them: keys
+    joined by dots, a list holding tensors by index, a list holding none as one value."""
+    if isinstance(state, Mapping):
+        return {key: _map_leaves(value, fn, f"{prefix}{key}.") for key, value in state.items()}
+    if isinstance(state, (list, tuple)) and _holds_tensor(state):
+        return type(state)(_map_leaves(value, fn, f"{prefix}{i}.") for i, value in enumerate(state))
+    return fn(prefix[:-1], state)
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    return any(_holds_tensor(item) for item in items)
+
+
+def _flatten(state: Any) -> dict[str, Any]:
+    leaves: dict[str, Any] = {}
+    _map_leaves(state, lambda name, value: leaves.setdefault(name, value))
+    return leaves
+
+
+def _fresh(state: Any, saved: dict[str, dict]) -> Any:
+    """`state` with every tensor replaced by an uninitialized one of the dtype it was saved in
+    (DTensors keep their sharding): DCP reads into these, never into the model's or the
+    optimizer's own tensors. The saved dtype, so that checksums are over the saved bytes; the
+    copy into the model casts."""
+    def fresh(name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        dtype = saved.get(name, {}).get("dtype", str(value.dtype))
+        return torch.empty_like(value, dtype=getattr(torch, dtype.removeprefix("torch.")))
+    return _map_leaves(state, fresh)
+
+
+def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor's bytes as unsigned words of 8 or 16 bits (flat, in element order), and words per
+    element. A word never spans two elements, so a shard boundary never splits one."""
+    itemsize = tensor.element_size()
+    word = torch.uint8 if itemsize == 1 else torch.int16
+    return tensor.detach().contiguous().reshape(-1).view(word), max(1, itemsize // 2)
+
+
+def _checksum(tensor: torch.Tensor, first_element: int = 0) -> tuple[int, int]:
+    """Two position-weighted sums of the tensor's words, mod the prime P: word k of the whole
+    tensor weighs (k mod (P-1)) + 1 in one sum and the square of that in the other. The sums over
+    a shard, given where it starts in the whole tensor, add up (mod P) to those of the whole, at
+    any world size. A word is smaller than P and no weight is a multiple of it, so one changed
+    word always changes both sums; other damage matches both with a chance of about 1 in P**2."""
+    words, per_element = _words(tensor)
+    mask = (1 << (8 * words.element_size())) - 1
+    first = first_element * per_element
+    linear = squared = torch.zeros((), dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _WORDS_PER_STEP):
+        chunk = words[start:start + _WORDS_PER_STEP].to(torch.int64) & mask
+        weight = torch.arange(first + start, first + start + chunk.numel(), device=words.device) % (_PRIME - 1) + 1
+        linear = (linear + (chunk * weight % _PRIME).sum()) % _PRIME
+        squared = (squared + (chunk * (weight * weight % _PRIME) % _PRIME).sum()) % _PRIME
+    return int(linear), int(squared)
+
+
+def _checksum_part(tensor: DTensor) -> tuple[int, int]:
+    """This rank's part of the checksum of a dim-0 sharded tensor."""
+    if tuple(tensor.placements) != (Shard(0),):
+        raise CheckpointError(
+            f"zpp checkpoints hold zeropp's dim-0 sharded tensors; got placements {tensor.placements}"
+        )
+    start, _ = shard_rows(tensor)
+    return _checksum(tensor.to_local(), start * math.prod(tensor.shape[1:]))
+
+
+def _object_hash(value: Any) -> str:
+    """A hash of a saved value that is not a tensor (e.g. the optimizer's hyperparameters), over its
+    pickled form, which DCP stores and which survives a round trip unchanged."""
+    return hashlib.sha256(pickle.dumps(value, protocol=4)).hexdigest()
+
+
+def _write_checksums(path: Path, entries: dict[str, Any], partials: list[dict[str, tuple[int, int]]]) -> str | None:
+    """Rank 0: writes the checksum file (atomically); returns what went wrong, if anything."""
+    checksums: dict[str, dict] = {}
+    for name, value in entries.items():
+        if isinstance(value, DTensor):
+            sums = [sum(part[name][i] for part in partials) % _PRIME for i in range(2)]
+        elif isinstance(value, torch.Tensor):
+            sums = list(_checksum(value))
+        else:
+            checksums[name] = {"object_sha256": _object_hash(value)}
+            continue
+        checksums[name] = {"dtype": str(value.dtype), "shape": list(value.shape), "checksum": sums}
+    try:
+        staged = path / f".{CHECKSUM_FILE}.tmp"
+        staged.write_text(json.dumps({"format": _FORMAT, "entries": checksums}, indent=1))
+        staged.replace(path / CHECKSUM_FILE)
+    except OSError as error:
+        return f"writing {path / CHECKSUM_FILE} failed ({error}); the checkpoint cannot be verified: save it again"
+    return None
+
+
+def _read_checksums(path: Path, optimizer: torch.optim.Optimizer | None) -> tuple[str | None, dict[str, dict]]:
+    """The saved checksums, after checking that every file DCP will read exists and is complete;
+    or what is wrong (the same on every rank when they see the same files)."""
+    metadata_file = path / ".metadata"
+    if not metadata_file.is_file():
+        return f"{path} is not a checkpoint (it has no .metadata file); check the path", {}
+    checksum_file = path / CHECKSUM_FILE
+    try:
+        document = json.loads(checksum_file.read_text())
+        if document.get("format") != _FORMAT:
+            raise ValueError(f"unknown format {document.get('format')!r}")
+        saved = document["entries"]
+    except FileNotFoundError:
+        return (f"{path} has no {CHECKSUM_FILE}: it was not written by zpp.save_checkpoint, or that save did not "
+                "finish. Load an earlier checkpoint (or, if you trust it, load it with "
+                "torch.distributed.checkpoint)"), {}
+    except (OSError, ValueError, KeyError) as error:
+        return f"{checksum_file} is damaged ({error}); load an earlier checkpoint", {}
+    if optimizer is not None and not any(name.startswith("optim.") for name in saved):
+        return f"{path} holds no optimizer state (it was saved with optimizer=None); pass optimizer=None", {}
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:
+        return f"{metadata_file} is damaged ({type(error).__name__}: {error}); load an earlier checkpoint", {}
+    return _check_file_sizes(path, metadata.storage_data), saved
+
+
+def _check_file_sizes(path: Path, storage: Mapping[Any, Any]) -> str | None:
+    """Every data file the metadata names exists and reaches the last byte it places there."""
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        file = path / relative
+        if not file.is_file():
+            return f"{file} is missing; copy the whole checkpoint directory, or load an earlier checkpoint"
+        if file.stat().st_size < size:
+            return (f"{file} is truncated ({file.stat().st_size} bytes; the checkpoint's metadata places data up to "
+                    f"byte {size}): the save or a copy of it did not finish. Copy it again or load an earlier "
+                    "checkpoint")
+    return None
+
+
+def _entries_differ(path: Path, saved: dict[str, dict], template: dict[str, Any]) -> str | None:
+    """What the checkpoint and this model and optimizer do not both hold (DCP itself ignores
+    what the checkpoint holds beyond what is asked for)."""
+    wanted = set(_flatten(template))
+    sections = {name.split(".")[0] for name in wanted}
+    extra = sorted(name for name in saved if name.split(".")[0] in sections and name not in wanted)
+    missing = sorted(wanted - set(saved))
+    if not extra and not missing:
+        return None
+    found = [f"missing from the checkpoint: {listing(missing)}"] if missing else []
+    found += [f"in the checkpoint but not in this model or optimizer: {listing(extra)}"] if extra else []
+    return (f"{path} does not fit this model and optimizer ({'; '.join(found)}). Load a checkpoint of the same "
+            "architecture and optimizer; an optimizer that has no state yet while the parameters have gradients "
+            "shows no state to load into: call optimizer.zero_grad(set_to_none=True) first")
+
+
+def _verify_local(entries: dict[str, Any], saved: dict[str, dict]) -> list[str]:
+    """Names of the loaded replicated tensors and other values that do not match their checksum
+    (every rank holds them whole)."""
+    damaged = []
+    for name, value in entries.items():
+        if name not in saved or isinstance(value, DTensor):
+            continue
+        if isinstance(value, torch.Tensor):
+            if list(_checksum(value)) != saved[name].get("checksum"):
+                damaged.append(name)
+        elif _object_hash(value) != saved[name].get("object_sha256"):
+            damaged.append(name)
+    return damaged
+
+
+def _all_gather(group: dist.ProcessGroup, value: Any) -> list[Any]:
+    """Every rank's `value`; a peer that died or hangs makes this raise within the group's timeout."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(everyone, value, group=group)
+    except Exception as error:
+        raise CheckpointError(
+            f"zpp.load_checkpoint: the ranks could not agree on the load ({error}); a peer died or hung. "
+            "Nothing was copied into the model or the optimizer"
+        ) from error
+    return everyone
+
+
+def _agree(group: dist.ProcessGroup, problem: str | None) -> None:
+    """Raises on every rank if any rank found a problem."""
+    problems = {p for p in _all_gather(group, problem) if p}
+    if problems:
+        raise CheckpointError(
+            f"zpp.load_checkpoint: {'; '.join(sorted(problems))}. The model and optimizer are unchanged"
+        )
+
+
+def _raise_on_problems(path: Path, everyone: list[tuple], saved: dict[str, dict]) -> None:
+    """Raises on every rank (each sees every rank's results) if any rank failed to read, or if a
+    checksum does not match: of a tensor as a whole, from its parts on every rank, or of a value
+    some rank holds whole."""
+    failures = sorted({problem for problem, _, _, _ in everyone if problem})
+    if failures:
+        unreadable = sorted({record for _, records, _, _ in everyone for record in records})
+        where = f": these cannot be read, the files are damaged: {listing(unreadable)}" if unreadable else ""
+        raise CheckpointError(f"zpp.load_checkpoint: {'; '.join(failures)}{where}. Load an earlier checkpoint. "
+                              "The model and optimizer are unchanged")
+    damaged = {name for _, _, local, _ in everyone for name in local}
+    for name in everyone[0][3]:
+        sums = [sum(partial[name][i] for _, _, _, partial in everyone) % _PRIME for i in range(2)]
+        if name in saved and sums != saved[name]["checksum"]:
+            damaged.add(name)
+    if damaged:
+        files = _files_holding(path, damaged)
+        raise CheckpointError(
+            f"zpp.load_checkpoint: {path} is damaged: the values read for {listing(sorted(damaged))} do not match the "
+            f"checksums saved with them (stored in {', '.join(files)}). Load an earlier checkpoint. The model and "
+            "optimizer are unchanged"
+        )
+
+
+def _unreadable_records(path: Path, rank: int, world_size: int) -> list[str]:
+    """After DCP failed to read: which stored records (this rank checks every world_size-th)
+    cannot be deserialized, as "name in file"."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    records = sorted(metadata.storage_data.items(), key=lambda item: (item[1].relative_path, item[1].offset))
+    failed = []
+    for index, info in records[rank::world_size]:
+        if info.transform_descriptors:
+            continue  # stored through a transform (e.g. compressed): not readable as is
+        is_tensor = not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
+        try:
+            with open(path / info.relative_path, "rb") as file:
+                file.seek(info.offset)
+                torch.load(io.BytesIO(file.read(info.length)), map_location="cpu", weights_only=is_tensor)
+        except Exception:
+            failed.append(f"{index.fqn} in {path / info.relative_path}")
+    return failed
+
+
+def _files_holding(path: Path, names: set[str]) -> list[str]:
+    storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    return sorted({str(path / info.relative_path) for index, info in storage.items() if index.fqn in names})
+
+
+def _summary(error: BaseException) -> str:
+    """A DCP error in one line per failing rank (its own text is every rank's whole traceback)."""
+    if isinstance(error, CheckpointException):
+        failures = sorted(error.failures.items())
+        return "; ".join(f"rank {rank}: {_first_line(failure)}" for rank, (failure, _) in failures)
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's type and first sentence (torch.load's failures go on with advice that does not
+    apply to a damaged file)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0].split('. ')[0] if text else ''}"
