@@ -228,14 +228,17 @@ class KeepGradLocal(torch.autograd.Function):
 
 class AddPendingGrad(torch.autograd.Function):
     """`weight` in forward; in backward `pending` (gradients kept while sync was off) is added to
-    its gradient before `zpp::reduce_grad` reduces it, so an accumulation window costs one reduction."""
+    its gradient before `zpp::reduce_grad` reduces it, so an accumulation window costs one reduction.
+
+    `pending` is held by ctx, not saved for backward: an activation-checkpointing recompute reads
+    the weight again without it (the first read took it), and would otherwise save one tensor
+    fewer than the forward did."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(pending)
+        ctx.pending = pending
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (pending,) = ctx.saved_tensors
-        return grad + pending.to(grad.dtype), None
+        return grad + ctx.pending.to(grad.dtype), None

@@ -8,6 +8,7 @@ import re
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import zpp_compile as zpp
@@ -15,8 +16,9 @@ from zpp_compile import pass_manager
 from zpp_compile.passes import PassContext, schedule_overlap
 from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
-from zpp_compile.runtime.ledger import collectives_by_node, phase_of
+from zpp_compile.runtime.ledger import PHASES, collectives_by_node, phase_of
 from zpp_compile.runtime.topology import Group, Topology
+from zpp_compile.sharding import _layers
 from distributed import device, run_ranks
 from models import Block, TinyTransformer, batches
 from test_zero3 import PER_RANK, STEPS, train, train_sharded
@@ -109,6 +111,67 @@ def test_a_bucket_never_spans_two_layers():
     assert buckets == [["shard_0"], ["shard_1", "shard_2"], ["shard_3", "shard_4"], ["shard_5"]], buckets
     # The check can fail: without layers, all six fit in one bucket.
     assert gathers_by_bucket(sources, ()) == [[f"shard_{i}" for i in range(6)]]
+
+
+class BlocksInModuleDict(TinyTransformer):
+    """The test transformer with its blocks in an nn.ModuleDict, as torchtitan keeps them."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__(layers=layers)
+        self.blocks = nn.ModuleDict({str(i): block for i, block in enumerate(self.blocks)})
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks.values():
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
+
+
+class BlocksAsAttributes(nn.Module):
+    """Identical blocks held as plain attributes, next to a larger module that is not repeated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(400, 24)
+        self.first, self.second, self.third = Block(24, 2), Block(24, 2), Block(24, 2)
+
+
+def test_layers_are_the_repeated_blocks_however_they_are_held():
+    blocks = lambda: [Block(24, 2) for _ in range(3)]  # noqa: E731
+    holders = {
+        "ModuleList": nn.ModuleList(blocks()),
+        "ModuleDict": nn.ModuleDict({f"b{i}": b for i, b in enumerate(blocks())}),
+        "Sequential": nn.Sequential(*blocks()),
+        # Of two stacks holding the same parameters, the one of more, smaller blocks.
+        "ModuleList in a Sequential": nn.Sequential(nn.ModuleList(blocks())),
+    }
+    for kind, holder in holders.items():
+        model = nn.Module()
+        model.embed, model.stack, model.head = nn.Embedding(37, 24), holder, nn.Linear(24, 37)
+        names = [name for name, module in model.named_modules() if isinstance(module, Block)]
+        assert list(_layers(model)) == names, (kind, list(_layers(model)))
+    assert list(_layers(BlocksAsAttributes())) == ["first", "second", "third"]
+    assert list(_layers(BlocksInModuleDict())) == [f"blocks.{i}" for i in range(4)]
+
+
+def moduledict_step_collectives(rank: int, world_size: int) -> list[tuple[str, int]]:
+    """(phase, bytes from the peer) of each collective of one compiled step of BlocksInModuleDict."""
+    torch.manual_seed(0)
+    model = zpp.shard(BlocksInModuleDict().to(device()))
+    step_fn = torch.compile(model, backend="zeropp", options={"inductor": False})
+    tokens, targets = batches(1, world_size, PER_RANK)[0]
+    step_fn(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device())).backward()
+    return [(row.phase, row.intra_bytes) for row in zpp.comm_report().rows]
+
+
+def test_blocks_in_a_module_dict_are_one_bucket_each():
+    # Each block's weights (and gradients, in float32 as well) are exactly one bucket: 4 buckets of
+    # one block's bytes per phase, and none larger (a bucket spanning two blocks would be).
+    block_bytes = gathered_layer_nbytes() // 2  # what the other rank sends of one block
+    rows = run_ranks(moduledict_step_collectives, 2)[0]
+    for phase in PHASES:
+        sizes = [nbytes for row_phase, nbytes in rows if row_phase == phase]
+        assert sizes.count(block_bytes) == 4 and max(sizes) == block_bytes, (phase, sizes, block_bytes)
 
 
 # ------------------------------------------------------- gradient all-gathers, on a small graph

@@ -87,8 +87,8 @@ class Config:
     reshard_after_forward: bool = True
     # Scheduling: gathered bytes per communication bucket and how many buckets' gathers may be in
     # flight ahead of the compute that needs them, so at most (prefetch + 1) x bucket_size gathered
-    # bytes are alive at once. "layer": one bucket per layer of the model (a child of its largest
-    # nn.ModuleList or nn.Sequential, else of the model), never spanning two, so two layers by
+    # bytes are alive at once. "layer": one bucket per layer of the model (a block of its largest
+    # stack of repeated blocks, else a child of the model), never spanning two, so two layers by
     # default; a number of bytes: buckets of up to that size, across layers (fewer, larger
     # collectives where the link needs large messages); 0: one collective per parameter. Every
     # bucket costs the host a fixed time (collective launch, quantize and dequantize calls),

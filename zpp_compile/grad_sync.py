@@ -3,10 +3,16 @@
 With sync off, every use of a trainable parameter gathers from a detached shard and routes the
 weight through `KeepGradLocal`: backward holds no `zpp::reduce_grad`, and autograd accumulates
 the full, unreduced gradient of each micro-step in a per-parameter sink (in `reduce_dtype`).
-With sync back on, the first use of the parameter routes its weight through `AddPendingGrad`:
-that backward adds the kept gradient to its own and reduces once. Which of these a module's
-attribute read does is decided when it is traced, so Dynamo guards on the flag and keeps one
-graph per setting.
+With sync back on, the first read of the parameter under grad mode takes the kept gradient and
+routes its weight through `AddPendingGrad`: that backward adds the kept gradient to its own and
+reduces once. Taking it empties the accumulator, so every later read (the same module applied
+again, a layer shared by several blocks, a weight tied across modules, a second forward before
+the backward) gathers plainly, and the kept gradient is added exactly once however often the
+weight is read. Which of these a module's attribute read does is decided when it is traced:
+Dynamo guards on the flag and on whether a kept gradient waits, traces each read on its own, and
+replays the emptying after the graph, so a compiled step takes the kept gradient once as well
+(inside a torch.utils.checkpoint region Dynamo cannot replay it, and breaks the graph there for
+that one step). The forward that takes the kept gradient must be the one backpropagated.
 """
 
 from __future__ import annotations
@@ -28,8 +34,7 @@ class GradAccumulator:
         self.sync = True
         # A leaf only for autograd to accumulate into: stride 0, so it allocates one element.
         self.sink = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=param.device, requires_grad=True)
-        self.pending: torch.Tensor | None = None  # kept gradients the next synced backward adds
-        param.register_post_accumulate_grad_hook(self._reduced)
+        self.pending: torch.Tensor | None = None  # kept gradients the next synced forward takes
 
     def set_sync(self, sync: bool) -> None:
         kept, self.sink.grad = self.sink.grad, None
@@ -39,21 +44,23 @@ class GradAccumulator:
             self.sink.grad = kept
         self.sync = sync
 
-    def _reduced(self, _param: nn.Parameter) -> None:
-        self.pending = None  # the synced backward has reduced it into the shard's .grad
+    def take_pending(self) -> torch.Tensor | None:
+        """The kept gradients, for the backward of the forward reading the weight now; this
+        accumulator holds none afterwards, so they are added once."""
+        pending, self.pending = self.pending, None
+        return pending
 
 
 def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
     """`module.<name>`, gathered, with its gradient reduced, kept, or added to the kept one."""
     layout, shard = module._zpp_layouts[name], module._parameters[name]
-    entry = module._zpp_accumulators.get(name)
-    if entry is None:
+    accumulator = module._zpp_accumulators.get(name)
+    if accumulator is None:
         return layout.gather(shard)
-    accumulator, first_use = entry
     if not accumulator.sync:
         return KeepGradLocal.apply(layout.gather(shard.detach()), accumulator.sink)
-    if first_use and accumulator.pending is not None:  # tied weights: added at one use only
-        return AddPendingGrad.apply(layout.gather(shard), accumulator.pending)
+    if accumulator.pending is not None and torch.is_grad_enabled():
+        return AddPendingGrad.apply(layout.gather(shard), accumulator.take_pending())
     return layout.gather(shard)
 
 
@@ -76,13 +83,10 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
             param = module._parameters[name]
             if not param.requires_grad:
                 continue
-            entry = module._zpp_accumulators.get(name)
-            if entry is None:
-                first_use = id(param) not in accumulators
-                if first_use:
-                    accumulators[id(param)] = GradAccumulator(param, layout.shape, layout.reduce_dtype)
-                entry = module._zpp_accumulators[name] = (accumulators[id(param)], first_use)
-            accumulators.setdefault(id(param), entry[0])
+            accumulator = module._zpp_accumulators.get(name) or accumulators.get(id(param))
+            if accumulator is None:  # one per parameter, shared by every module it is tied into
+                accumulator = GradAccumulator(param, layout.shape, layout.reduce_dtype)
+            module._zpp_accumulators[name] = accumulators[id(param)] = accumulator
     for accumulator in accumulators.values():
         accumulator.set_sync(requires_gradient_sync)
 

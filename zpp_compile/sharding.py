@@ -131,15 +131,33 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's layers by qualified name: the children of its largest nn.ModuleList or
-    nn.Sequential (the repeated blocks, which FSDP users shard one by one), else its children."""
+    """The model's layers by qualified name: the members of its largest stack of blocks, else its
+    children. A stack is the children of an nn.ModuleList, nn.ModuleDict (torchtitan's blocks) or
+    nn.Sequential, or two or more sibling modules of one class and parameter shapes (blocks held
+    as attributes): the repeated blocks, which FSDP users shard one by one. Of stacks holding as
+    many parameters, the one of more, smaller blocks wins."""
     numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    containers = [(name, m) for name, m in model.named_modules()
-                  if isinstance(m, (nn.ModuleList, nn.Sequential)) and numel(m)]
-    if not containers:
+    stacks = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            stacks.append((prefix, list(module.named_children())))
+            continue
+        siblings: dict[tuple, list[tuple[str, nn.Module]]] = {}
+        for name, child in module.named_children():
+            if numel(child):
+                siblings.setdefault(_structure(child), []).append((name, child))
+        stacks.extend((prefix, group) for group in siblings.values() if len(group) > 1)
+    stacks = [(prefix, members, sum(numel(m) for _, m in members)) for prefix, members in stacks]
+    stacks = [stack for stack in stacks if stack[2]]
+    if not stacks:
         return dict(model.named_children()) or {"": model}
-    prefix, container = max(containers, key=lambda item: numel(item[1]))
-    return {f"{prefix}.{name}".lstrip("."): layer for name, layer in container.named_children()}
+    prefix, members, _ = max(stacks, key=lambda stack: (stack[2], len(stack[1])))
+    return {f"{prefix}.{name}".lstrip("."): layer for name, layer in members}
+
+
+def _structure(module: nn.Module) -> tuple:
+    """What identical blocks share: the class and every parameter's name, shape and dtype."""
+    return type(module), tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
 
 
 def _gathered_nbytes(module: nn.Module, config: Config, world_size: int) -> int:

@@ -1,0 +1,133 @@
+"""Parameters read more than once per forward (a module applied twice, ALBERT's shared layers, tied
+weights): gradient accumulation without sync adds the kept gradient once, whatever the number of
+reads, eagerly and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zpp_compile as zpp
+from distributed import device, run_ranks
+
+PER_RANK = 2
+
+
+class AppliedTwice(nn.Module):
+    """One Linear read twice per forward."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(self.linear(x))).square().mean()
+
+
+def shard_copy(reference: nn.Module, make: type, *args) -> nn.Module:
+    """A sharded model starting from `reference`'s values."""
+    model = make(*args).to(device())
+    model.load_state_dict(reference.state_dict())
+    return zpp.shard(model)
+
+
+def accumulate(model: nn.Module, step_fn, windows: list[list[dict]], rows: slice, split_last: bool) -> list[dict]:
+    """Accumulates every window's micro-batches (each a dict of keyword inputs), sync on the last
+    one only; returns the full gradients after each window. With `split_last`, the synced
+    micro-batch runs as two forwards (halves of the rows) and one backward."""
+    grads = []
+    for window in windows:
+        for index, inputs in enumerate(window):
+            last = index == len(window) - 1
+            if model in zpp.REGISTRY.models:  # the unsharded reference reduces nothing
+                zpp.set_requires_gradient_sync(model, last)
+            mine = {k: v[rows].to(device()) for k, v in inputs.items()}
+            if last and split_last:
+                half = next(iter(mine.values())).shape[0] // 2
+                losses = [step_fn(**{k: part for k, part in zip(mine, parts)})
+                          for parts in zip(*(v.split(half) for v in mine.values()))]
+                loss = sum(losses) / len(losses)
+            else:
+                loss = step_fn(**mine)
+            (_loss_value(loss) / len(window)).backward()
+        grads.append({name: _full(p.grad).cpu() for name, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad()
+    return grads
+
+
+def _loss_value(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def assert_same_gradients(got: list[dict], expected: list[dict]) -> None:
+    for window, (mine, theirs) in enumerate(zip(got, expected)):
+        assert mine.keys() == theirs.keys()
+        for name, value in theirs.items():
+            torch.testing.assert_close(mine[name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"window {window}, {name}: {m}")
+
+
+def compiled(model: nn.Module, mode: str):
+    torch._dynamo.reset()
+    if mode == "eager":
+        return model
+    return torch.compile(model, backend="zeropp", options={"inductor": mode == "inductor"})
+
+
+def applied_twice_run(rank: int, world_size: int, modes: list[str]) -> None:
+    """Windows of 3 and 2 micro-batches (sync on the last), the last one split over two forwards,
+    against the unsharded model accumulating the same global micro-batches."""
+    generator = torch.Generator().manual_seed(0)
+    windows = [[{"x": torch.randn(PER_RANK * world_size, 6, generator=generator)} for _ in range(n)] for n in (3, 2)]
+    torch.manual_seed(0)
+    reference = AppliedTwice().to(device())
+    expected = accumulate(reference, reference, windows, slice(None), split_last=False)
+    for mode in modes:
+        model = shard_copy(reference, AppliedTwice)
+        step_fn = compiled(model, mode)
+        # Inductor compiles the graphs that the split adds in seconds, not for nothing: once is enough.
+        for split_last in (False, True) if mode != "inductor" else (False,):
+            got = accumulate(model, step_fn, windows, slice(rank * PER_RANK, (rank + 1) * PER_RANK), split_last)
+            assert_same_gradients(got, expected)
+
+
+@pytest.mark.parametrize("modes", [["eager", "aot"], ["inductor"]])
+def test_a_module_applied_twice_accumulates_its_kept_gradient_once(modes):
+    run_ranks(applied_twice_run, 2, modes)
+
+
+def albert_config():
+    transformers = pytest.importorskip("transformers")
+    return transformers, transformers.AlbertConfig(
+        vocab_size=41, embedding_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+
+
+def albert_run(rank: int, world_size: int) -> None:
+    """ALBERT's one layer applied at every depth, and its decoder tied to the word embeddings."""
+    transformers, config = albert_config()
+    generator = torch.Generator().manual_seed(0)
+
+    def micro_batch() -> dict:
+        tokens = torch.randint(0, config.vocab_size, (PER_RANK * world_size, 7), generator=generator)
+        return {"input_ids": tokens, "labels": tokens.roll(1, dims=1)}
+
+    windows = [[micro_batch() for _ in range(3)]]
+    torch.manual_seed(0)
+    reference = transformers.AlbertForMaskedLM(config).to(device())
+    expected = accumulate(reference, reference, windows, slice(None), split_last=False)
+    for mode in ("eager", "aot"):
+        model = shard_copy(reference, transformers.AlbertForMaskedLM, config)
+        got = accumulate(model, compiled(model, mode), windows, slice(rank * PER_RANK, (rank + 1) * PER_RANK),
+                         split_last=False)
+        assert_same_gradients(got, expected)
+
+
+def test_albert_shared_layers_accumulate_their_kept_gradient_once():
+    run_ranks(albert_run, 2)
