@@ -62,7 +62,8 @@ def test_json_round_trip(tmp_path):
         ({"collective_timeout_s": True}, "Config.collective_timeout_s=True must be a positive number"),
         ({"gradient_bits": 4.0}, "Config.gradient_bits=4.0 is not supported; use 4 or 8"),
         ({"disable_passes": 5}, "Config.disable_passes=5 must be a list of pass names"),
-        ({"disable_passes": ["quantise_weights"]}, "Config.disable_passes (or ZEROPP_DISABLE_PASSES) names unknown passes"),
+        ({"disable_passes": ["quantise_weights"]},
+         "Config.disable_passes (or ZEROPP_DISABLE_PASSES) names unknown passes"),
         ({1: True}, "config keys must be strings, got 1"),
     ],
 )
