@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -41,10 +41,17 @@ class CollectiveRecord:
                 "inter_bytes": self.inter_bytes, "of_gradient": self.of_gradient}
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> CollectiveRecord:
-        group = Group(values["group"], tuple(values["ranks"]))
-        return cls(values["op"], group, getattr(torch, values["dtype"]), values["intra_bytes"], values["inter_bytes"],
-                   values["of_gradient"])
+    def from_dict(cls, values: Any) -> CollectiveRecord:
+        """Reads back `to_dict`; a ValueError names what is missing or of the wrong type."""
+        ranks = field_of(values, "ranks", list)
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise ValueError(f"'ranks' must be a list of rank numbers, got {ranks!r}")
+        dtype = getattr(torch, field_of(values, "dtype", str), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"'dtype' must name a torch dtype, got {values['dtype']!r}")
+        group = Group(field_of(values, "group", str), tuple(ranks))
+        return cls(field_of(values, "op", str), group, dtype, field_of(values, "intra_bytes", int),
+                   field_of(values, "inter_bytes", int), field_of(values, "of_gradient", bool))
 
 
 @dataclass(frozen=True)
@@ -84,10 +91,42 @@ class GraphComm:
                 "collectives": [c.to_dict() for c in self.collectives]}
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> GraphComm:
-        model = ShardedModel(**values["model"]) if values.get("model") else None
-        records = tuple(CollectiveRecord.from_dict(c) for c in values["collectives"])
-        return cls(values["graph"], values["kind"], records, values["secondary_bytes"], model)
+    def from_dict(cls, values: Any) -> GraphComm:
+        """Reads back `to_dict` (a dump's comm.json); a ValueError names what is missing or wrong."""
+        model = field_of(values, "model", (dict, type(None)))
+        if model is not None:
+            model = _within("model", lambda: ShardedModel(
+                field_of(model, "sharding_id", int), field_of(model, "padded_numel", int),
+                field_of(model, "world_size", int, minimum=1), field_of(model, "ranks_per_node", int, minimum=1)))
+        records = tuple(_within(f"collectives[{index}]", lambda: CollectiveRecord.from_dict(record))
+                        for index, record in enumerate(field_of(values, "collectives", list)))
+        return cls(field_of(values, "graph", str), field_of(values, "kind", str), records,
+                   field_of(values, "secondary_bytes", int), model)
+
+
+def field_of(values: Any, key: str, kind: type | tuple[type, ...], minimum: int = 0) -> Any:
+    """`values[key]` of JSON read back, checked to be a `kind` (an int: at least `minimum`); else
+    a ValueError that says what was expected."""
+    if not isinstance(values, dict):
+        raise ValueError(f"expected a JSON object, got {type(values).__name__}")
+    if key not in values:
+        raise ValueError(f"{key!r} is missing")
+    value = values[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise ValueError(f"{key!r} must be {names}, got {value!r}")
+    if kinds == (int,) and value < minimum:
+        raise ValueError(f"{key!r} must be at least {minimum}, got {value!r}")
+    return value
+
+
+def _within(where: str, read: Callable[[], Any]) -> Any:
+    """`read()`, with `where` (the part of the JSON being read) put in front of its ValueError."""
+    try:
+        return read()
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 def collectives_in_graph(graph: fx.Graph, topology: Topology) -> tuple[CollectiveRecord, ...]:

@@ -7,6 +7,7 @@ emulating 2 nodes, no Inductor) feed every check that needs a dump; the rest run
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -151,10 +152,26 @@ def test_passes_lists_every_pass_in_order(capsys):
 EXPLAIN = ["explain", "--params", "1B", "--world"]
 
 
+def exit_status(argv: list[str]) -> int:
+    """main's exit status, whether returned or raised (argparse's own errors exit)."""
+    try:
+        return main(argv)
+    except SystemExit as done:
+        return done.code
+
+
 @pytest.mark.parametrize("argv, message", [
     (EXPLAIN + ["2", "--ranks-per-node", "1", "{config}"], "unknown config key 'quantized_weight'"),
     (EXPLAIN + ["2", "--ranks-per-node", "1", "{missing}"], "cannot read config file"),
+    (EXPLAIN + ["2", "--ranks-per-node", "1", "{binary}"], "is not a JSON text file"),
     (EXPLAIN + ["6", "--ranks-per-node", "4", "{config_ok}"], "multiple of the ranks per node"),
+    (EXPLAIN + ["6", "--ranks-per-node", "2", "{config_rpn4}"],
+     "the config's ranks_per_node=4 ({config_rpn4}) does not divide --world 6, and overrides --ranks-per-node 2"),
+    (EXPLAIN + ["0", "--ranks-per-node", "1", "{config_ok}"], "--world 0 must be a positive number of ranks"),
+    (["explain", "--params", "1e400", "--world", "2", "{config_ok}"], "'1e400' is not a finite parameter count"),
+    (["explain", "--params", "inf", "--world", "2", "{config_ok}"], "'inf' is not a finite parameter count"),
+    (["explain", "--params", "nan", "--world", "2", "{config_ok}"], "'nan' is not a finite parameter count"),
+    (["explain", "--world", "2", "{config_ok}"], "the following arguments are required: --params"),
     (["report", "{missing}"], "is not a folder"),
     (["report", "{empty}"], "no graph dump"),
     (["dump", "--disable-pass", "quantise_weights", "{script}"], "no such pass"),
@@ -163,13 +180,48 @@ EXPLAIN = ["explain", "--params", "1B", "--world"]
 def test_user_mistakes_are_one_line_errors(tmp_path, capsys, argv, message):
     (tmp_path / "bad.json").write_text('{"quantized_weight": true}')
     (tmp_path / "ok.json").write_text("{}")
+    (tmp_path / "rpn4.json").write_text('{"ranks_per_node": 4}')
+    (tmp_path / "binary.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
     (tmp_path / "empty").mkdir()
     (tmp_path / "script.py").write_text("")
-    names = dict(config=tmp_path / "bad.json", config_ok=tmp_path / "ok.json", missing=tmp_path / "missing",
-                 empty=tmp_path / "empty", script=tmp_path / "script.py")
-    assert main([arg.format(**names) for arg in argv]) == 1
+    names = dict(config=tmp_path / "bad.json", config_ok=tmp_path / "ok.json", config_rpn4=tmp_path / "rpn4.json",
+                 binary=tmp_path / "binary.json", missing=tmp_path / "missing", empty=tmp_path / "empty",
+                 script=tmp_path / "script.py")
+    assert exit_status([arg.format(**names) for arg in argv]) != 0
     err = capsys.readouterr().err
-    assert message in err and err.startswith("zeropp ") and len(err.strip().splitlines()) == 1
+    assert message.format(**names) in err and err.startswith("zeropp ") and len(err.strip().splitlines()) == 1, err
+
+
+def damaged(run: Path, tmp_path: Path, suffix: str, damage) -> Path:
+    """A copy of rank 0's dump of `run` with its first `suffix` file replaced by `damage(its JSON)`."""
+    folder = tmp_path / "dump" / "rank0"
+    shutil.copytree(run / "dump" / "rank0", folder)
+    target = sorted(folder.glob(f"*{suffix}"))[0]
+    replacement = damage(json.loads(target.read_text()))
+    target.write_bytes(replacement if isinstance(replacement, bytes) else json.dumps(replacement).encode())
+    return tmp_path / "dump"
+
+
+@pytest.mark.parametrize("suffix, damage, message", [
+    (".comm.json", lambda v: b"\x89PNG\r\n\x1a\n\x00\xff", "'utf-8' codec can't decode byte 0x89"),
+    (".comm.json", lambda v: {k: x for k, x in v.items() if k != "collectives"}, "'collectives' is missing"),
+    (".comm.json", lambda v: [v], "expected a JSON object, got list"),
+    (".comm.json", lambda v: {**v, "collectives": [{**v["collectives"][0], "inter_bytes": "8320"}]},
+     "collectives[0]: 'inter_bytes' must be int, got '8320'"),
+    (".comm.json", lambda v: {**v, "collectives": [{**v["collectives"][0], "dtype": "nn"}]},
+     "collectives[0]: 'dtype' must name a torch dtype, got 'nn'"),
+    (".comm.json", lambda v: {**v, "model": {**v["model"], "world_size": 0}}, "model: 'world_size' must be at least 1"),
+    (".comm.json", lambda v: {**v, "secondary_bytes": None}, "'secondary_bytes' must be int, got None"),
+    (".summary.json", lambda v: {**v, "added": ["zpp.quantize_weight"]}, "'added' must be dict"),
+    (".summary.json", lambda v: {**v, "collectives_after": [{}]}, "collectives_after[0]: 'count' is missing"),
+    (".summary.json", lambda v: "not a summary", "expected a JSON object, got str"),
+])
+def test_a_damaged_dump_is_a_one_line_error(paper_run, tmp_path, capsys, suffix, damage, message):
+    for flags in ([], ["--format", "json"]):
+        assert main(["report", str(damaged(paper_run, tmp_path / str(len(flags)), suffix, damage)), *flags]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("zeropp report: error: ") and "is not a zeropp dump file" in err, err
+        assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_failing_script_gives_its_exit_status_and_a_clear_message(tmp_path, capfd):

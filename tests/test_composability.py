@@ -109,6 +109,52 @@ def test_changing_sequence_length_recompiles_at_most_once():
     assert run_ranks(sequence_lengths_run, 2) == [2, 2]
 
 
+def bfloat16_after_shard_run(rank: int, world_size: int) -> None:
+    """`model.to(torch.bfloat16)` after shard(), with the optimizer already built: the shards become
+    bf16 in place, and eager and compiled training match the unsharded model converted the same way."""
+    data = batches(2, world_size, PER_RANK)
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+    def train(model: nn.Module, step_fn, rows: slice, convert: bool) -> list[torch.Tensor]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if convert:
+            model.to(torch.bfloat16)
+        losses = []
+        for tokens, targets in data:
+            loss = step_fn(tokens[rows].to(device()), targets[rows].to(device()))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().float())
+        return losses
+
+    torch.manual_seed(0)
+    reference = TinyTransformer().to(device()).to(torch.bfloat16)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    expected = train(reference, reference, slice(None), convert=False)
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = zpp.shard(TinyTransformer().to(device()))
+        step_fn = torch.compile(model, backend="zeropp", options={"inductor": False}) if compiled else model
+        losses = train(model, step_fn, mine, convert=True)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.head.weight.dtype == torch.bfloat16
+        mean_losses = torch.stack(losses)
+        torch.distributed.all_reduce(mean_losses)
+        torch.testing.assert_close(mean_losses / world_size, torch.stack(expected), rtol=1e-2, atol=0)
+        full = zpp.full_state_dict(model)
+        for key, value in reference.state_dict().items():
+            assert full[key].dtype == torch.bfloat16, key
+            # What the two steps changed, to within bf16's rounding of the parameters.
+            torch.testing.assert_close((full[key] - initial[key]).float(), (value - initial[key]).float(),
+                                       rtol=0.02, atol=0.01, msg=lambda m: f"{key}: {m}")
+    with pytest.raises(RuntimeError, match="cannot move the shards of Sharded.* to meta: zeropp keeps them on"):
+        model.to("meta")
+
+
+def test_bfloat16_conversion_after_shard_matches_reference():
+    run_ranks(bfloat16_after_shard_run, 2)
+
+
 def causal_lm_run(rank: int, world_size: int) -> list[float]:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

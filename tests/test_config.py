@@ -1,4 +1,5 @@
-"""Config: construction, DeepSpeed names, JSON, and a clear error for each bad value."""
+"""Config: construction, DeepSpeed names, JSON, a clear error for each bad value, and what
+torch.compile's options may override."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 
+import zpp_compile as zpp
+from distributed import device, run_ranks
 from zpp_compile import Config, ConfigError
+from zpp_compile.runtime.registry import REGISTRY
 
 
 def test_defaults_and_dtype_names():
@@ -52,11 +57,33 @@ def test_json_round_trip(tmp_path):
         ({"inductor_options": 3}, "Config.inductor_options=3 must map Inductor setting names to values"),
         ({"cuda_graphs": True, "inductor": False}, "Config.cuda_graphs=True needs Inductor"),
         ({"bucket_size": "layers"}, "Config.bucket_size='layers' must be 'layer' or a number of bytes >= 0"),
+        ({"collective_timeout_s": float("nan")}, "Config.collective_timeout_s=nan must be a positive number"),
+        ({"collective_timeout_s": float("inf")}, "Config.collective_timeout_s=inf must be a positive number"),
+        ({"collective_timeout_s": True}, "Config.collective_timeout_s=True must be a positive number"),
+        ({"gradient_bits": 4.0}, "Config.gradient_bits=4.0 is not supported; use 4 or 8"),
+        ({"disable_passes": 5}, "Config.disable_passes=5 must be a list of pass names"),
+        ({"disable_passes": ["quantise_weights"]},
+         "Config.disable_passes (or ZEROPP_DISABLE_PASSES) names unknown passes"),
+        ({1: True}, "config keys must be strings, got 1"),
     ],
 )
 def test_bad_values_name_key_value_and_range(values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Config.from_dict(values)
+
+
+def test_constructor_and_from_dict_reject_what_is_not_a_config():
+    with pytest.raises(ConfigError, match="unknown config key 'bogus'; known keys: "):
+        Config(bogus=1)
+    with pytest.raises(ConfigError, match="unknown config key 'quantized_weight'; did you mean 'quantized_weights'"):
+        Config(quantized_weight=True)
+    with pytest.raises(ConfigError, match="'zero_quantized_weights' is DeepSpeed's name for 'quantized_weights'"):
+        Config(zero_quantized_weights=True)
+    with pytest.raises(ConfigError, match="a config must be a dict of settings, got list"):
+        Config.from_dict([("quantized_weights", True)])
+    with pytest.raises(ConfigError, match="names unknown passes"):  # at construction, not at the first compile
+        Config().updated({"disable_passes": ["bucketing"]})
+    assert Config(disable_passes="schedule_overlap").disable_passes == ("schedule_overlap",)
 
 
 def test_topology_checks():
@@ -73,3 +100,57 @@ def test_unreadable_json_is_a_config_error(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must hold a JSON object"):
         Config.load(str(tmp_path / "list.json"))
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match="is not a JSON text file"):
+        Config.load(tmp_path / "binary.json")
+
+
+SHARDED_WITH = {"ranks_per_node": 1, "collective_timeout_s": 30.0}
+
+
+def compiled_step(model: nn.Module, options: dict, x: torch.Tensor) -> torch.Tensor:
+    """One compiled forward and backward with `options`; returns the loss."""
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend="zeropp", options={"inductor": False, **options})(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def compile_options(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, device=device())
+    model = zpp.shard(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(device()), SHARDED_WITH)
+    # Each field shard() acts on is rejected at the first call when it differs from the model's
+    # value, with a message naming it and saying where it belongs.
+    for key, value in [("param_dtype", "bf16"), ("reduce_dtype", torch.bfloat16), ("ranks_per_node", 2),
+                       ("collective_timeout_s", 5.0), ("hpz_partition_size", 2)]:
+        with pytest.raises(Exception, match=rf"ConfigError: .*sets {key}=.*but the model was sharded with {key}=.*"
+                                            rf"pass it to zpp_compile.shard\(model, Config\(...\)\) instead"):
+            compiled_step(model, {key: value}, x)
+    # The same values as the model's are accepted (dtype names and DeepSpeed's names included).
+    same = {"param_dtype": None, "reduce_dtype": "fp32", "ranks_per_node": 1, "collective_timeout_s": 30,
+            "zero_hpz_partition_size": 1}
+    eager = model(x).square().mean()
+    assert torch.equal(compiled_step(model, same, x), eager)
+
+    # A compile-time field given as an option does what it does given to shard(): qgZ's
+    # collectives and gradients, bit for bit.
+    results = []
+    for shard_config, options in [({**SHARDED_WITH, "quantized_gradients": True}, {}),
+                                  (SHARDED_WITH, {"quantized_gradients": True})]:
+        torch.manual_seed(0)
+        model = zpp.shard(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(device()), shard_config)
+        REGISTRY.ledger.clear()
+        compiled_step(model, options, x)
+        report = zpp.comm_report().to_dict()
+        for row in report["collectives"]:
+            row.pop("graph")  # numbered in compile order
+        results.append((report, [p.grad.full_tensor() for p in model.parameters()]))
+    (report_a, grads_a), (report_b, grads_b) = results
+    assert "uint8" in {c["dtype"] for c in report_b["collectives"] if c["phase"] == "gradient reduction"}
+    assert report_a == report_b and report_b["inter_bytes"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_compile_options_override_compile_fields_and_reject_shard_fields():
+    run_ranks(compile_options, 2)

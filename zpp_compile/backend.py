@@ -34,13 +34,14 @@ def zeropp_backend(
 ) -> Callable[..., Any]:
     """torch.compile backend: `torch.compile(model, backend="zeropp", options={...})`.
 
-    `options` overrides the model's Config for this compilation (same keys as Config).
+    `options` overrides the model's Config for this compilation (same keys as Config); the fields
+    that shard() acts on (`config.SHARD_FIELDS`) may only repeat the model's values.
     """
     state = _sharding_state(gm, example_inputs)
     if state is None:  # a graph without parameters (e.g. the loss after a graph break)
         config = Config.load(dict(options or {}))
         return compile_fx(gm, example_inputs) if config.inductor else _aot_eager(gm, example_inputs, None)
-    config = state.config.updated(options) if options else state.config
+    config = state.config.for_compilation(options, state.topology.ranks_per_node) if options else state.config
     # Buckets keep to layer boundaries only when sized by layer; a size in bytes may span layers.
     layers = state.layers if config.bucket_size == "layer" else ()
     config = config.with_layer_size(state.layer_nbytes)

@@ -7,14 +7,15 @@
     zeropp explain CONFIG.json --params N --world W --ranks-per-node R
                                                     predicted communication per step, nothing run
 
-A user mistake (a bad config, an unreadable dump, a failing script) ends with a one-line message
-on stderr and a non-zero exit status.
+A user mistake (a bad config or flag, an unreadable or damaged dump, a failing script) ends with a
+one-line message on stderr and a non-zero exit status.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -22,11 +23,12 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 import torch
 
 from .config import DISABLE_PASSES_ENV, DUMP_DIR_ENV, Config, ConfigError
+from .dump import read_pass_summary
 from .explain import predict
 from .passes import PASSES
 from .runtime.ledger import CommReport, GraphComm
@@ -48,8 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, like the others (the usage is one `--help` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zeropp", description="Inspect what the zeropp compiler does.")
+    parser = _Parser(prog="zeropp", description="Inspect what the zeropp compiler does.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     commands.add_parser("passes", help="list the passes in the order they run").set_defaults(handler=_passes)
@@ -131,8 +140,8 @@ def _dump(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     folder = _rank_folder(Path(args.dir), args.rank)
-    graphs = [GraphComm.from_dict(v) for v in _read_json(sorted(folder.glob("*.comm.json"), key=_compile_order))]
-    summaries = _read_json(sorted(folder.glob("*.summary.json"), key=_compile_order))
+    graphs = _read_dump(sorted(folder.glob("*.comm.json"), key=_compile_order), GraphComm.from_dict)
+    summaries = _read_dump(sorted(folder.glob("*.summary.json"), key=_compile_order), read_pass_summary)
     report = CommReport.from_graphs(graphs)
     if args.format == "json":
         print(json.dumps({**report.to_dict(), "rank": args.rank, "graphs": [g.graph_name for g in graphs],
@@ -155,13 +164,16 @@ def _rank_folder(root: Path, rank: int) -> Path:
     return folder
 
 
-def _read_json(paths: list[Path]) -> list[Any]:
+def _read_dump(paths: list[Path], read: Callable[[Any], Any]) -> list[Any]:
+    """Each dump file's JSON, through `read` (which checks it); any fault is one UsageError."""
     values = []
     for path in paths:
         try:
-            values.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError) as error:
+            values.append(read(json.loads(path.read_text())))
+        except OSError as error:
             raise UsageError(f"cannot read {path}: {error}") from None
+        except ValueError as error:  # not UTF-8, not JSON, or not what `zeropp dump` writes
+            raise UsageError(f"{path} is not a zeropp dump file as `zeropp dump` writes it: {error}") from None
     return values
 
 
@@ -199,11 +211,20 @@ def _explain(args: argparse.Namespace) -> int:
         stored = Config(param_dtype=args.stored_dtype).param_dtype
     except ConfigError:
         raise UsageError(f"--stored-dtype {args.stored_dtype!r}: use fp32, bf16 or fp16") from None
-    local = config.ranks_per_node or args.ranks_per_node  # the config's value overrides the launcher's
-    if local is None:
-        raise UsageError("give --ranks-per-node (the config sets no ranks_per_node)")
-    if args.world < 1 or local < 1 or args.world % local:
-        raise UsageError(f"--world {args.world} must be a positive multiple of the ranks per node ({local})")
+    if args.world < 1:
+        raise UsageError(f"--world {args.world} must be a positive number of ranks")
+    if config.ranks_per_node:  # the config's value overrides the launcher's, which the flag stands for
+        local = config.ranks_per_node
+        if args.world % local:
+            overrides = f", and overrides --ranks-per-node {args.ranks_per_node}" if args.ranks_per_node else ""
+            raise UsageError(f"the config's ranks_per_node={local} ({args.config}) does not divide --world "
+                             f"{args.world}{overrides}; change ranks_per_node in the config or --world")
+    else:
+        local = args.ranks_per_node
+        if local is None:
+            raise UsageError("give --ranks-per-node (the config sets no ranks_per_node)")
+        if local < 1 or args.world % local:
+            raise UsageError(f"--world {args.world} must be a positive multiple of the ranks per node ({local})")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prediction = predict(config, args.params, args.world, local, stored)
@@ -237,6 +258,8 @@ def _count(text: str) -> int:
         value = float(text[:-1] if scale > 1 else text) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count (e.g. 1300000000, 1.3B, 350M)") from None
+    if not math.isfinite(value):  # nan, inf, or past float's range (1e400)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite parameter count (e.g. 1300000000, 1.3B, 350M)")
     if value < 1 or value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of parameters")
     return int(value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -42,6 +43,16 @@ _DEEPSPEED_KEYS = {
     "zero_hpz_partition_size": "hpz_partition_size",
     "zero_quantized_gradients": "quantized_gradients",
 }
+
+
+# A wait longer than a year is no timeout; much longer ones overflow the backends' clock arithmetic.
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+# Fields `shard()` acts on: they fix the shards' gathers and reductions (param_dtype, reduce_dtype)
+# or the process groups (hpz_partition_size, ranks_per_node, collective_timeout_s), so
+# torch.compile's options may repeat them but not change them. Every other field is read when a
+# graph is compiled and may be overridden per compilation.
+SHARD_FIELDS = ("hpz_partition_size", "ranks_per_node", "param_dtype", "reduce_dtype", "collective_timeout_s")
 
 
 class ConfigError(ValueError):
@@ -107,6 +118,13 @@ class Config:
     dump_dir: str | None = None
     collective_timeout_s: float = 600.0
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Config:
+        # The dataclass __init__ would reject an unknown keyword with a bare TypeError.
+        for key in kwargs:
+            if key not in _field_names():
+                raise _unknown_key(key)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         for key in ("quantized_weights", "quantized_gradients", "reshard_after_forward", "inductor", "cuda_graphs"):
@@ -117,7 +135,7 @@ class Config:
             if not _is_int(value) or value < 32 or value > 65536 or value & (value - 1):
                 raise ConfigError(f"Config.{key}={value!r} must be a power of 2 between 32 and 65536")
         for key in ("gradient_bits", "intra_node_gradient_bits"):
-            if getattr(self, key) not in (4, 8):
+            if not _is_int(getattr(self, key)) or getattr(self, key) not in (4, 8):
                 raise ConfigError(f"Config.{key}={getattr(self, key)!r} is not supported; use 4 or 8")
         if not _is_int(self.hpz_partition_size) or self.hpz_partition_size < 0:
             raise ConfigError(
@@ -132,9 +150,12 @@ class Config:
             raise ConfigError(f"Config.prefetch={self.prefetch!r} must be an integer >= 0")
         if self.cuda_graphs and not self.inductor:
             raise ConfigError("Config.cuda_graphs=True needs Inductor; drop inductor=False or cuda_graphs=True")
-        if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s <= 0:
+        timeout = self.collective_timeout_s
+        if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout)
+                or not 0 < timeout <= _MAX_TIMEOUT_S):
             raise ConfigError(
-                f"Config.collective_timeout_s={self.collective_timeout_s!r} must be a positive number of seconds"
+                f"Config.collective_timeout_s={timeout!r} must be a positive number of seconds, "
+                f"at most {_MAX_TIMEOUT_S:.0f} (a year)"
             )
         set_("param_dtype", _as_dtype("param_dtype", self.param_dtype))
         reduce_dtype = _as_dtype("reduce_dtype", self.reduce_dtype)
@@ -142,9 +163,7 @@ class Config:
             raise ConfigError("Config.reduce_dtype=None is not allowed; use float32, bfloat16 or float16")
         set_("reduce_dtype", reduce_dtype)
         set_("inductor_options", _inductor_options(self.inductor_options))
-        if isinstance(self.disable_passes, str):
-            set_("disable_passes", (self.disable_passes,))
-        set_("disable_passes", tuple(self.disable_passes))
+        set_("disable_passes", _pass_names(self.disable_passes))
         if self.dump_dir is not None:
             set_("dump_dir", str(self.dump_dir))
 
@@ -153,29 +172,16 @@ class Config:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Config:
         """Builds a Config from our key names or DeepSpeed's ZeRO++ names (not both for one knob)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, value in values.items():
-            if key in _DEEPSPEED_KEYS:
-                ours = _DEEPSPEED_KEYS[key]
-                if ours in values:
-                    raise ConfigError(f"both {key!r} (DeepSpeed's name) and {ours!r} are set; keep one")
-                if key == "zero_hpz_partition_size" and value == 1:
-                    value = 0  # DeepSpeed's 1 means "no secondary partition"
-                key = ours
-            elif key not in names:
-                close = difflib.get_close_matches(key, sorted(names | set(_DEEPSPEED_KEYS)), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(names)}"
-                raise ConfigError(f"unknown config key {key!r}{hint}")
-            kwargs[key] = value
-        return cls(**kwargs)
+        return cls(**_our_names(values))
 
     @classmethod
     def from_json(cls, path: str | Path) -> Config:
         try:
             values = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from error
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"config file {str(path)!r} is not a JSON text file ({error})") from None
+        except (OSError, ValueError) as error:  # json.JSONDecodeError is a ValueError
+            raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
         if not isinstance(values, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(values).__name__}")
         return cls.from_dict(values)
@@ -195,9 +201,30 @@ class Config:
 
     def updated(self, values: Mapping[str, Any]) -> Config:
         """A copy with `values` (our names or DeepSpeed's) applied on top, validated."""
-        merged = {k: v for k, v in self.to_dict().items() if k not in values}
-        merged.update(values)
-        return Config.from_dict(merged)
+        return Config(**{**self.to_dict(), **_our_names(values)})
+
+    def for_compilation(self, options: Mapping[str, Any], ranks_per_node: int) -> Config:
+        """This config, the one a model was sharded with, with torch.compile's `options` applied.
+
+        Compile-time fields take effect; a field in `SHARD_FIELDS` may only repeat the sharded
+        model's value (for ranks_per_node: also the value in effect, `ranks_per_node`).
+        """
+        config = self.updated(options)
+        changed = [key for key in SHARD_FIELDS if getattr(config, key) != getattr(self, key)
+                   and not (key == "ranks_per_node" and config.ranks_per_node == ranks_per_node)]
+        if changed:
+            given = ", ".join(f"{key}={getattr(config, key)!r}" for key in changed)
+            sharded = ", ".join(f"{key}={getattr(self, key)!r}" for key in changed)
+            hint = ("; to switch hpZ off for one compilation, use options={'disable_passes': "
+                    "['hierarchical_partition']}" if "hpz_partition_size" in changed and self.hpz_partition_size
+                    and not config.hpz_partition_size else "")
+            raise ConfigError(
+                f"torch.compile(..., backend='zeropp', options=...) sets {given}, but the model was sharded with "
+                f"{sharded}: {', '.join(changed)} {'is' if len(changed) == 1 else 'are'} fixed when the model is "
+                f"sharded (shards, process groups); pass {'it' if len(changed) == 1 else 'them'} to "
+                f"zpp_compile.shard(model, Config(...)) instead{hint}"
+            )
+        return config
 
     def with_layer_size(self, layer_nbytes: int) -> Config:
         """This config with bucket_size="layer" replaced by `layer_nbytes`."""
@@ -264,6 +291,59 @@ def _inductor_options(value: Any) -> tuple[tuple[str, Any], ...]:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"Config.inductor_options: {name!r} is not a torch._inductor.config setting{hint}")
     return pairs
+
+
+def _our_names(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` with DeepSpeed's key names (and hpZ size) translated to ours; unknown keys are errors."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"a config must be a dict of settings, got {type(values).__name__}")
+    ours: dict[str, Any] = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config keys must be strings, got {key!r}")
+        if key in _DEEPSPEED_KEYS:
+            name = _DEEPSPEED_KEYS[key]
+            if name in values:
+                raise ConfigError(f"both {key!r} (DeepSpeed's name) and {name!r} are set; keep one")
+            if key == "zero_hpz_partition_size" and value == 1:
+                value = 0  # DeepSpeed's 1 means "no secondary partition"
+            key = name
+        elif key not in _field_names():
+            raise _unknown_key(key, deepspeed_names=True)
+        ours[key] = value
+    return ours
+
+
+def _pass_names(value: Any) -> tuple[str, ...]:
+    """Config.disable_passes as a tuple of known pass names (a single name is accepted too)."""
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, (set, frozenset)):
+        names = sorted(names, key=str)
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise ConfigError(f"Config.disable_passes={value!r} must be a list of pass names (see `zeropp passes`)")
+    from .passes import PASSES  # here, not at the top: a pass may import this module
+
+    known = [p.name for p in PASSES]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ConfigError(
+            f"Config.disable_passes (or {DISABLE_PASSES_ENV}) names unknown passes {unknown}; known: {known}"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _field_names() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(Config))
+
+
+def _unknown_key(key: str, deepspeed_names: bool = False) -> ConfigError:
+    """The error for a key that is not a Config field, with the closest name as a hint."""
+    if key in _DEEPSPEED_KEYS and not deepspeed_names:
+        return ConfigError(f"{key!r} is DeepSpeed's name for {_DEEPSPEED_KEYS[key]!r}: use that, or Config.from_dict")
+    names = sorted(_field_names() | (set(_DEEPSPEED_KEYS) if deepspeed_names else set()))
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(_field_names())}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
 
 
 def _is_int(value: Any) -> bool:

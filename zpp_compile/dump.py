@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .runtime.ledger import CollectiveRecord, GraphComm, collectives_by_node, zeropp_groups
+from .runtime.ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, zeropp_groups
 from .runtime.topology import Topology
 
 
@@ -143,6 +143,27 @@ class GraphDump:
                 run.append(index[node])
         flush()
         return "\n".join(lines) + "\n"
+
+
+def read_pass_summary(values: Any) -> dict[str, Any]:
+    """A pass's summary.json read back: checked to hold what `write_pass` writes and the report
+    reads; a ValueError says what is missing or wrong."""
+    for key in ("graph", "pass"):
+        field_of(values, key, str)
+    for key in ("nodes_before", "nodes_after"):
+        field_of(values, key, int)
+    for op, count in field_of(values, "added", dict).items():
+        if not isinstance(count, int) or isinstance(count, bool):
+            raise ValueError(f"'added' must map op names to counts, got {op!r}: {count!r}")
+    for key in ("collectives_before", "collectives_after"):
+        for index, row in enumerate(field_of(values, key, list)):
+            try:
+                for name, kind in (("count", int), ("op", str), ("dtype", str), ("intra_bytes", int),
+                                   ("inter_bytes", int)):
+                    field_of(row, name, kind)
+            except ValueError as error:
+                raise ValueError(f"{key}[{index}]: {error}") from None
+    return values
 
 
 def _code(graph: fx.Graph) -> str:

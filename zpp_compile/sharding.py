@@ -11,6 +11,7 @@ shard through `zpp::reduce_grad`. Run eagerly this is plain ZeRO-3; under
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -241,14 +242,50 @@ def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int) -> Para
 
 
 def _gathering_class(cls: type, names: frozenset[str]) -> type:
-    """`cls` with a property per parameter name that returns the gathered parameter."""
+    """`cls` with a property per parameter name that returns the gathered parameter, and an
+    `_apply` (behind `.to()`, `.bfloat16()`, ...) that converts the shards in place."""
     key = (cls, names)
     if key not in REGISTRY.gathering_classes:
 
         def gathered(name: str) -> property:
             return property(lambda self: gathered_weight(self, name))
 
+        def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+            return _apply_to_shards(self, lambda: cls._apply(self, fn, recurse), fn)
+
         REGISTRY.gathering_classes[key] = type(
-            f"Sharded{cls.__name__}", (cls,), {name: gathered(name) for name in sorted(names)}
+            f"Sharded{cls.__name__}", (cls,), {**{name: gathered(name) for name in sorted(names)}, "_apply": _apply}
         )
     return REGISTRY.gathering_classes[key]
+
+
+def _apply_to_shards(
+    module: nn.Module, apply: Callable[[], nn.Module], fn: Callable[[torch.Tensor], torch.Tensor]
+) -> nn.Module:
+    """Runs nn.Module._apply (`apply`) on a module holding shards, as FSDP2 allows: each shard is
+    converted in place (same Parameter object, so an optimizer built before keeps it), and its
+    gathers then produce the new dtype unless Config.param_dtype fixes one. The shards must stay
+    on the device of the process groups (`shard()` put them there)."""
+    shards = {id(p): p for p in (module._parameters[name] for name in module._zpp_layouts)}
+    for shard in shards.values():
+        state = REGISTRY.params[shard]
+        with torch.no_grad():
+            target = fn(torch.empty(0, dtype=shard.dtype, device=shard.device)).device
+        if target != state.topology.device:
+            raise RuntimeError(
+                f"cannot move the shards of {type(module).__name__} from {shard.device} to {target}: "
+                f"zeropp keeps them on {state.topology.device}, the device of its process groups; move the "
+                "model before zpp_compile.shard (dtype conversions such as .to(torch.bfloat16) are fine)"
+            )
+    # swap_tensors, which converts DTensor parameters in place, refuses a tensor that has weak
+    # references; the registry's is the only one.
+    states = {key: REGISTRY.params.pop(shard) for key, shard in shards.items()}
+    try:
+        out = apply()
+    finally:
+        for key, shard in shards.items():
+            REGISTRY.params[shard] = states[key]
+    for name, layout in module._zpp_layouts.items():
+        dtype = REGISTRY.states[layout.sharding_id].config.param_dtype or module._parameters[name].dtype
+        module._zpp_layouts[name] = dataclasses.replace(layout, dtype=dtype)
+    return out
