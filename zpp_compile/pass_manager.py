@@ -51,6 +51,7 @@ class PassManager:
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
         self.joint_done = False
         self.model: ShardedModel | None = None  # found in the first graph that gathers parameters
+        self.graphs: list[GraphComm] = []  # this Dynamo graph's entries of the ledger
         self.dump = GraphDump(config.dump_dir, topology) if config.dump_dir is not None else None
 
     def run(self, stage: str, graph: fx.Graph) -> None:
@@ -80,9 +81,19 @@ class PassManager:
             graph.eliminate_dead_code()
             secondary = self.secondary_bytes if kind == "forward" else 0
             comm = GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary, self.model)
-            REGISTRY.ledger.append(comm)
+            self.record(comm)
             if self.dump:
                 self.dump.write_graph(comm, graph)
+
+    def record(self, comm: GraphComm) -> None:
+        """Enters a compiled graph's collectives in the ledger, in place of an entry of the same
+        name (one restored from the compile cache before its graph was compiled after all)."""
+        for entries in (self.graphs, REGISTRY.ledger):
+            same = [i for i, g in enumerate(entries) if g.graph_name == comm.graph_name]
+            if same:
+                entries[same[0]] = comm
+            else:
+                entries.append(comm)
 
     def _sharded_model(self, graph: fx.Graph) -> ShardedModel | None:
         """The sharded model whose parameters `graph` gathers (the backend allows only one)."""
