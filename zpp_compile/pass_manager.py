@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import dynamo_timed
 
 from .config import Config, ConfigError
 from .dump import GraphDump
@@ -68,9 +69,10 @@ class PassManager:
         self.model = self.model or self._sharded_model(graph)
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
             before = self.dump.snapshot(graph) if self.dump else None
-            with _naming_pass_on_oom(graph_pass.name, ctx.graph_name):
+            # Timed as torch.compile times its own phases: torch._dynamo.utils.compile_times() lists each pass.
+            with _naming_pass_on_oom(graph_pass.name, ctx.graph_name), dynamo_timed(f"zeropp.{graph_pass.name}"):
                 graph_pass.run(graph, ctx)
-            graph.lint()
+                graph.lint()
             if self.dump:
                 self.dump.write_pass(f"{ctx.graph_name}.{stage}.{index:02d}.{graph_pass.name}", before, graph)
         if stage == "joint":
