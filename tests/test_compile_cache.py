@@ -157,3 +157,17 @@ def test_the_cache_key_covers_config_topology_and_rank_but_not_the_graph_id(tmp_
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
     assert PassCache.open(dumping, gm, [], {}) is None
     assert PassCache.open(PassManager(zpp.Config(), topology(), "g0"), gm, [], {"force_disable_caches": True}) is None
+
+
+def test_a_restored_entry_gives_way_to_the_graph_compiled_after_all():
+    # A backward restored with its forward from the record, then compiled at its first use (its
+    # entry in Inductor's cache was gone): the ledger holds it once, as compiled.
+    manager, start = PassManager(zpp.Config(), topology(), "g9"), len(zpp.REGISTRY.ledger)
+    restored, compiled = GraphComm("g9.backward", "backward", ()), GraphComm("g9.backward", "backward", (), 5)
+    manager.record(GraphComm("g9.forward", "forward", ()), restored=True)
+    manager.record(restored, restored=True)
+    manager.record(compiled)
+    manager.record(GraphComm("g9.backward", "backward", ()))  # e.g. a subgraph's: kept beside it
+    assert [g.secondary_bytes for g in zpp.REGISTRY.ledger[start:]] == [0, 5, 0]
+    assert manager.graphs == zpp.REGISTRY.ledger[start:]
+    del zpp.REGISTRY.ledger[start:]

@@ -128,7 +128,8 @@ class PassCache:
         produced = {g.kind for g in manager.graphs}
         for entry in self.stored:
             if entry["kind"] not in produced:
-                manager.record(GraphComm.from_dict({**entry, "graph": f"{manager.graph_id}.{entry['kind']}"}))
+                comm = GraphComm.from_dict({**entry, "graph": f"{manager.graph_id}.{entry['kind']}"})
+                manager.record(comm, restored=True)
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:

@@ -53,6 +53,7 @@ class PassManager:
         self.joint_done = False
         self.model: ShardedModel | None = None  # found in the first graph that gathers parameters
         self.graphs: list[GraphComm] = []  # this Dynamo graph's entries of the ledger
+        self.restored: dict[str, GraphComm] = {}  # those read from the compile cache, by graph name
         self.dump = GraphDump(config.dump_dir, topology) if config.dump_dir is not None else None
 
     def run(self, stage: str, graph: fx.Graph) -> None:
@@ -87,15 +88,19 @@ class PassManager:
             if self.dump:
                 self.dump.write_graph(comm, graph)
 
-    def record(self, comm: GraphComm) -> None:
-        """Enters a compiled graph's collectives in the ledger, in place of an entry of the same
-        name (one restored from the compile cache before its graph was compiled after all)."""
+    def record(self, comm: GraphComm, restored: bool = False) -> None:
+        """Enters a compiled graph's collectives in the ledger. An entry `restored` from the compile
+        cache is replaced if its graph is compiled after all (a backward compiled at its first use)."""
         for entries in (self.graphs, REGISTRY.ledger):
-            same = [i for i, g in enumerate(entries) if g.graph_name == comm.graph_name]
+            same = [i for i, g in enumerate(entries) if g is self.restored.get(comm.graph_name)]
             if same:
                 entries[same[0]] = comm
             else:
                 entries.append(comm)
+        if restored:
+            self.restored[comm.graph_name] = comm
+        else:
+            self.restored.pop(comm.graph_name, None)
 
     def _sharded_model(self, graph: fx.Graph) -> ShardedModel | None:
         """The sharded model whose parameters `graph` gathers (the backend allows only one)."""
