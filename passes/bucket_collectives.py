@@ -128,23 +128,27 @@ def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
     for node in bucket.members:
         first_use.setdefault(_param_key(node), node)
     unique = list(first_use.values())
-    sizes = [n.args[1] for n in unique]
-    segments = [_padded(s, block) for s in sizes]
-
-    def gather_bucket(*shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        flat = torch.cat([F.pad(x, (0, seg - x.numel())) for x, seg in zip(shards, segments)])
-        gathered = torch.ops.zpp.all_gather_param(
-            flat, sum(segments), group_size, group_name, dtype, reduce_dtype, sharding_id
-        )
-        rows = gathered.view(group_size, sum(segments))
-        return tuple(piece[:, :size].reshape(-1) for piece, size in zip(rows.split(segments, dim=1), sizes))
-
+    sizes = tuple(n.args[1] for n in unique)
+    segments = tuple(_padded(s, block) for s in sizes)
     shards = [n.args[0] for n in unique]
     hoist(shards, first)  # each shard is a view of a graph input, made just before its own gather
-    weights = insert_traced(graph, first, gather_bucket, *shards)
+    weights = insert_traced(graph, first, _gather_bucket, sizes, segments, group_size, group_name, dtype,
+                            reduce_dtype, sharding_id, *shards)
     _upstream(weights[0], torch.ops.zpp.all_gather_param.default).meta[FULL_PRECISION] = not block
     weight_of = {_param_key(n): w for n, w in zip(unique, weights)}
     _replace(graph, bucket.members, tuple(weight_of[_param_key(n)] for n in bucket.members))
+
+
+def _gather_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], group_size: int, group_name: str,
+                   dtype: torch.dtype, reduce_dtype: torch.dtype, sharding_id: int,
+                   *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One gather of the shards side by side (each padded to its segment); every member's
+    weight cut out of the gathered rows."""
+    flat = torch.cat([F.pad(x, (0, seg - x.numel())) for x, seg in zip(shards, segments)])
+    gathered = torch.ops.zpp.all_gather_param(flat, sum(segments), group_size, group_name, dtype, reduce_dtype,
+                                              sharding_id)
+    rows = gathered.view(group_size, sum(segments))
+    return tuple(piece[:, :size].reshape(-1) for piece, size in zip(rows.split(segments, dim=1), sizes))
 
 
 def _param_key(gather: fx.Node) -> tuple:
@@ -155,22 +159,26 @@ def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:
     *_, block = bucket.key
     last = bucket.members[-1]
     _, _, group_size, group_name, dtype = last.args
-    sizes = [n.args[0].meta["val"].numel() // group_size for n in bucket.members]
-    segments = [_padded(s, block) for s in sizes]
-    shard_numels = [n.args[1] for n in bucket.members]
-
-    def reduce_bucket(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        rows = torch.cat(
-            [F.pad(g.view(group_size, size), (0, seg - size)) for g, size, seg in zip(grads, sizes, segments)], dim=1
-        )
-        shards = torch.ops.zpp.reduce_grad(rows.reshape(-1), sum(segments), group_size, group_name, dtype)
-        return tuple(piece[:numel] for piece, numel in zip(shards.split(segments), shard_numels))
-
+    sizes = tuple(n.args[0].meta["val"].numel() // group_size for n in bucket.members)
+    segments = tuple(_padded(s, block) for s in sizes)
+    shard_numels = tuple(n.args[1] for n in bucket.members)
     # Uses of the earlier members' results move past the bucket, which comes after every gradient.
     sink_users(bucket.members[:-1], last)
-    shards = insert_traced(graph, last, reduce_bucket, *(n.args[0] for n in bucket.members))
+    shards = insert_traced(graph, last, _reduce_bucket, sizes, segments, shard_numels, group_size, group_name, dtype,
+                           *(n.args[0] for n in bucket.members))
     _upstream(shards[0], torch.ops.zpp.reduce_grad.default).meta[FULL_PRECISION] = not block
     _replace(graph, bucket.members, shards)
+
+
+def _reduce_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], shard_numels: tuple[int, ...], group_size: int,
+                   group_name: str, dtype: torch.dtype, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One reduction of the gradients laid side by side per destination rank; every member's
+    shard cut out of this rank's reduced row."""
+    rows = torch.cat(
+        [F.pad(g.view(group_size, size), (0, seg - size)) for g, size, seg in zip(grads, sizes, segments)], dim=1
+    )
+    shards = torch.ops.zpp.reduce_grad(rows.reshape(-1), sum(segments), group_size, group_name, dtype)
+    return tuple(piece[:numel] for piece, numel in zip(shards.split(segments), shard_numels))
 
 
 def _upstream(node: fx.Node, target: Any) -> fx.Node:

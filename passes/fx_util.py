@@ -26,19 +26,61 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
     `args` are fx Nodes (standing for their tensors) or constants. The inserted nodes carry
     "val" metadata like the rest of the graph, and are decomposed as Inductor expects of the
     graphs its passes see. Returns the node holding fn's result.
+
+    Tracing costs far more than copying: a trace is kept (in the registry) and copied again for
+    the same function, constants and argument shapes, as every identical layer of a model asks
+    for; the copy's values are computed afresh, in this graph's fake mode.
     """
+    from ..runtime.registry import REGISTRY  # here: the registry's ledger imports this module
+
     tensor_args = [a for a in args if isinstance(a, fx.Node)]
-
-    def with_constants(*tensors: torch.Tensor) -> torch.Tensor:
-        it = iter(tensors)
-        return fn(*(next(it) if isinstance(a, fx.Node) else a for a in args))
-
     values = [a.meta["val"] for a in tensor_args]
-    with detect_fake_mode(values):
-        traced = make_fx(with_constants, decomposition_table=select_decomp_table())(*values)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    key = _trace_key(fn, args, values)
+    traced = REGISTRY.traces.get(key) if key is not None else None
+    fake_mode = detect_fake_mode(values)
+    if traced is None:
+
+        def with_constants(*tensors: torch.Tensor) -> torch.Tensor:
+            it = iter(tensors)
+            return fn(*(next(it) if isinstance(a, fx.Node) else a for a in args))
+
+        with fake_mode:
+            traced = make_fx(with_constants, decomposition_table=select_decomp_table())(*values)
+    copies = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], tensor_args))
     with graph.inserting_before(before):
-        return graph.graph_copy(traced.graph, dict(zip(placeholders, tensor_args)))
+        result = graph.graph_copy(traced.graph, copies)
+    if key is not None and key in REGISTRY.traces:
+        _propagate_values(copies, fake_mode)
+    elif key is not None:
+        for node in traced.graph.nodes:  # kept without this graph's fake values
+            node.meta.pop("val", None)
+        REGISTRY.traces[key] = traced
+    return result
+
+
+def _trace_key(fn: Callable[..., Any], args: tuple, values: list[torch.Tensor]) -> tuple | None:
+    """What decides `fn`'s trace: the function, the constants, and the tensors' shapes, strides
+    and dtypes. None (trace afresh) for closures, which hide constants, and symbolic shapes."""
+    if getattr(fn, "__closure__", None) is not None:
+        return None
+    metas = [(tuple(v.shape), tuple(v.stride()), v.dtype, v.device, v.requires_grad) for v in values]
+    if any(not isinstance(d, int) for shape, stride, *_ in metas for d in (*shape, *stride)):
+        return None
+    constants = tuple(None if isinstance(a, fx.Node) else (type(a), a) for a in args)
+    try:
+        hash(constants)
+    except TypeError:
+        return None
+    return fn, constants, tuple(metas)
+
+
+def _propagate_values(copies: dict[fx.Node, fx.Node], fake_mode: Any) -> None:
+    """Computes "val" for the copied nodes (in graph order) from their inputs' values."""
+    with fake_mode:
+        for original, node in copies.items():
+            if original.op == "call_function":
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
 
 
 def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.Tensor], *args: Any) -> fx.Node:
@@ -80,20 +122,16 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 def hoist(nodes: list[fx.Node], anchor: fx.Node) -> None:
     """Moves each of `nodes` that comes after `anchor`, with whatever it is computed from that
     also comes after it, to just before `anchor` (keeping their order). Only for nodes free of
-    side effects whose inputs can move (views of graph inputs, casts)."""
-    earlier: set[fx.Node] = set()
-    for node in anchor.graph.nodes:
-        if node is anchor:
-            break
-        earlier.add(node)
+    side effects whose inputs can move (views of graph inputs, casts).
+
+    Nodes compare by graph position, so the cost is that of the moved nodes, not of the graph."""
 
     def move(node: fx.Node) -> None:
-        if node in earlier:
+        if node < anchor:
             return
         for arg in node.all_input_nodes:
             move(arg)
         anchor.prepend(node)
-        earlier.add(node)
 
     for node in nodes:
         move(node)
@@ -101,16 +139,16 @@ def hoist(nodes: list[fx.Node], anchor: fx.Node) -> None:
 
 def sink_users(nodes: list[fx.Node], anchor: fx.Node) -> None:
     """Moves every node that comes before `anchor` and is computed from one of `nodes` (directly
-    or not) to just after it, keeping their order: the mirror of `hoist`."""
-    found = set(nodes)
-    moving = []
-    for node in anchor.graph.nodes:
-        if node is anchor:
-            break
-        if any(arg in found for arg in node.all_input_nodes):
-            found.add(node)
-            moving.append(node)
-    for node in reversed(moving):
+    or not) to just after it, keeping their order: the mirror of `hoist`. Users after `anchor`
+    need no move, and neither do theirs, so only the moved nodes are visited."""
+    moving: set[fx.Node] = set()
+    todo = list(nodes)
+    while todo:
+        for user in todo.pop().users:
+            if user < anchor and user not in moving:
+                moving.add(user)
+                todo.append(user)
+    for node in sorted(moving, reverse=True):
         anchor.append(node)
 
 

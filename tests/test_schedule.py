@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import unittest.mock
 
 import torch
 import torch.fx as fx
@@ -13,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import zpp_compile as zpp
 from zpp_compile import pass_manager
-from zpp_compile.passes import PassContext, schedule_overlap
+from zpp_compile.passes import PassContext, fx_util, schedule_overlap
 from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
 from zpp_compile.runtime.ledger import PHASES, collectives_by_node, phase_of
@@ -172,6 +173,33 @@ def test_blocks_in_a_module_dict_are_one_bucket_each():
     for phase in PHASES:
         sizes = [nbytes for row_phase, nbytes in rows if row_phase == phase]
         assert sizes.count(block_bytes) == 4 and max(sizes) == block_bytes, (phase, sizes, block_bytes)
+
+
+def test_identical_layers_are_traced_once_with_values_of_their_own():
+    # Bucketing traces one helper per bucket; a layer like one already traced is copied from that
+    # trace, with fresh fake values: the compile cost of a layer does not depend on depth.
+    fake, gather = FakeTensorMode(), torch.ops.zpp.all_gather_param.default
+    graph, outputs = fx.Graph(), []
+    for layer in range(4):
+        for name, rows in (("qkv", 24), ("proj", 8)):
+            shard = graph.placeholder(f"{name}_{layer}")
+            shard.meta["val"] = fake.from_tensor(torch.empty(rows * 8))
+            node = graph.call_function(gather, (shard, rows * 8, 2, "0", torch.float32, torch.float32, 0))
+            node.meta["val"] = fake.from_tensor(torch.empty(rows * 16))
+            node.meta["nn_module_stack"] = {"module": (f"L['self'].blocks.{layer}.{name}", nn.Linear)}
+            outputs.append(graph.call_function(torch.ops.aten.relu.default, (node,)))
+            outputs[-1].meta["val"] = fake.from_tensor(torch.empty(rows * 16))
+    graph.output(tuple(outputs))
+    layers = tuple(f"blocks.{i}" for i in range(4))
+    with unittest.mock.patch.object(fx_util, "make_fx", wraps=fx_util.make_fx) as tracer:
+        bucket_collectives(graph, PassContext(zpp.Config(bucket_size=1 << 30), None, "g0.joint", "joint", layers))
+    assert tracer.call_count == 1
+    gathers = [n for n in graph.nodes if n.target is gather]
+    assert len(gathers) == 4 and all(n.args[1] == 32 * 8 for n in gathers)
+    values = [n.meta["val"] for n in graph.nodes if n.op == "call_function"]
+    assert len({id(v) for v in values}) == len(values)  # no value shared between two nodes
+    assert [tuple(out.args[0].meta["val"].shape) for out in outputs] == [(384,), (128,)] * 4
+    graph.lint()
 
 
 # ------------------------------------------------------- gradient all-gathers, on a small graph

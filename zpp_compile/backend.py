@@ -23,6 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .compile_cache import PassCache
 from .config import Config
 from .pass_manager import PassManager
 from .runtime.cuda_graphs import graphed_inner_compile
@@ -48,9 +49,10 @@ def zeropp_backend(
     manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers)
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)
+    cache = PassCache.open(manager, gm, example_inputs, dict(config.inductor_options))
     patches = {
-        "joint_custom_post_pass": _StageHook(manager, "joint"),
-        "post_grad_custom_pre_pass": _StageHook(manager, "lowering"),
+        "joint_custom_post_pass": _StageHook(manager, "joint", cache),
+        "post_grad_custom_pre_pass": _StageHook(manager, "lowering", cache),
     }
     if any(p.name == "schedule_overlap" for p in manager.passes):
         # Inductor's own memory-driven reordering would undo the prefetch order, whose memory
@@ -62,7 +64,10 @@ def zeropp_backend(
         _check_on_cuda(example_inputs)
         patches["triton.cudagraphs"] = True
         inner_compile = functools.partial(graphed_inner_compile, timeout_s=config.collective_timeout_s)
-    return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner_compile)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner_compile)
+    if cache is not None:
+        cache.restore(manager)  # the graphs Inductor served from its caches, without running the passes
+    return compiled
 
 
 def _check_on_cuda(example_inputs: Sequence[Any]) -> None:
@@ -94,17 +99,17 @@ def _sharding_state(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Shardi
 class _StageHook(CustomGraphPass):
     """Inductor custom-pass hook that runs one stage of the pass manager."""
 
-    def __init__(self, manager: PassManager, stage: str) -> None:
-        self.manager, self.stage = manager, stage
+    def __init__(self, manager: PassManager, stage: str, cache: PassCache | None) -> None:
+        self.manager, self.stage, self.cache = manager, stage, cache
 
     def __call__(self, graph: fx.Graph) -> None:
         self.manager.run(self.stage, graph)
+        if self.cache is not None and self.stage == "lowering":
+            self.cache.save(self.manager.graphs)
 
-    def uuid(self) -> None:
-        # No cache key: Inductor then compiles these graphs afresh instead of loading them from
-        # its caches. A cached graph would skip the passes, and with them the communication
-        # ledger that step_comm_bytes() and comm_report() read.
-        return None
+    def uuid(self) -> str | None:
+        # None (no cache key) makes Inductor compile afresh, running every pass (for the dump).
+        return self.cache.uuid if self.cache is not None else None
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], manager: PassManager | None) -> Callable:

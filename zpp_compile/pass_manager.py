@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import dynamo_timed
 
 from .config import Config
 from .dump import GraphDump
@@ -45,6 +46,8 @@ class PassManager:
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
         self.joint_done = False
         self.model: ShardedModel | None = None  # found in the first graph that gathers parameters
+        self.graphs: list[GraphComm] = []  # this Dynamo graph's entries of the ledger
+        self.restored: dict[str, GraphComm] = {}  # those read from the compile cache, by graph name
         self.dump = GraphDump(config.dump_dir, topology) if config.dump_dir is not None else None
 
     def run(self, stage: str, graph: fx.Graph) -> None:
@@ -61,9 +64,10 @@ class PassManager:
         self.model = self.model or self._sharded_model(graph)
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
             before = self.dump.snapshot(graph) if self.dump else None
-            with _naming_pass_on_oom(graph_pass.name, ctx.graph_name):
+            # Timed as torch.compile times its own phases: torch._dynamo.utils.compile_times() lists each pass.
+            with _naming_pass_on_oom(graph_pass.name, ctx.graph_name), dynamo_timed(f"zeropp.{graph_pass.name}"):
                 graph_pass.run(graph, ctx)
-            graph.lint()
+                graph.lint()
             if self.dump:
                 self.dump.write_pass(f"{ctx.graph_name}.{stage}.{index:02d}.{graph_pass.name}", before, graph)
         if stage == "joint":
@@ -74,9 +78,23 @@ class PassManager:
             graph.eliminate_dead_code()
             secondary = self.secondary_bytes if kind == "forward" else 0
             comm = GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary, self.model)
-            REGISTRY.ledger.append(comm)
+            self.record(comm)
             if self.dump:
                 self.dump.write_graph(comm, graph)
+
+    def record(self, comm: GraphComm, restored: bool = False) -> None:
+        """Enters a compiled graph's collectives in the ledger. An entry `restored` from the compile
+        cache is replaced if its graph is compiled after all (a backward compiled at its first use)."""
+        for entries in (self.graphs, REGISTRY.ledger):
+            same = [i for i, g in enumerate(entries) if g is self.restored.get(comm.graph_name)]
+            if same:
+                entries[same[0]] = comm
+            else:
+                entries.append(comm)
+        if restored:
+            self.restored[comm.graph_name] = comm
+        else:
+            self.restored.pop(comm.graph_name, None)
 
     def _sharded_model(self, graph: fx.Graph) -> ShardedModel | None:
         """The sharded model whose parameters `graph` gathers (the backend allows only one)."""

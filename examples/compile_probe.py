@@ -1,0 +1,282 @@
+"""Where the first training step's time goes at model depth: zeropp against FSDP2 + torch.compile.
+
+Builds HuggingFace transformers' `LlamaForCausalLM` from a config (Llama-3.2's layout: grouped
+query attention, SDPA, tied embeddings; any width and depth), and for every variant and depth
+launches `torchrun` twice on one fresh Inductor cache directory: cold (empty caches) and warm (a
+new process, the same caches, as a restarted job). Each launch reports the first step's seconds
+(forward, backward and optimizer step, compilation included), ms per step after it, peak GPU
+memory, and where compilation went, from `torch._dynamo.utils.compile_times()`: Dynamo's
+tracing, AOTAutograd's joint graph, the partitioner, zeropp's passes, Inductor's lowering,
+scheduling and code generation, and the compilation of the generated code (C++ / Triton).
+
+    python examples/compile_probe.py                                  # CPU, 2 gloo ranks, 16 and 28 layers
+    python examples/compile_probe.py --shape llama-1b --nproc 1 --seq 2048 --batch 2 --dtype bf16   # one GPU
+    python examples/compile_probe.py --shape llama-3b --nproc 1 --seq 2048 --batch 2 --dtype bf16
+
+Variants: `fsdp2` (`fully_shard` on every decoder layer and the root, then `torch.compile(model)`),
+`zero3` (zeropp, plain ZeRO-3), `all3` (zeropp with qwZ, hpZ and qgZ). `--profile DIR` writes a
+cProfile of rank 0's first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof` and the
+top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+SHAPES = {  # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one
+    "small": dict(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=1024),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                     vocab_size=128256, rope_theta=500000.0),
+    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8,
+                     vocab_size=128256, rope_theta=500000.0),
+}
+DEFAULT_LAYERS = {"small": [16, 28], "llama-1b": [16], "llama-3b": [28]}
+
+# The table's phases, from compile_times() keys (the functions torch.compile times), each without
+# the phases nested in it, so that they add up to the first step's time with "rest" (the step's run,
+# AOTAutograd's wrappers, guards). Keys a torch version lacks count as 0.
+COLUMNS = ["dynamo", "aot trace", "partitioner", "zeropp passes", "inductor passes", "lowering", "sched+codegen",
+           "compile code", "rest"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--layers", type=int, nargs="+", help="decoder layers (default: 16 28 for small, else the model's)")
+    p.add_argument("--hidden", type=int, help="override the shape's hidden size (intermediate = 2.75x)")
+    p.add_argument("--variants", nargs="+", choices=["fsdp2", "zero3", "all3"], default=["fsdp2", "zero3"])
+    p.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU on CUDA)")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--steps", type=int, default=3, help="steps timed after the first")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (reduction in fp32)")
+    p.add_argument("--profile", help="folder for cProfile output of rank 0's first step")
+    p.add_argument("--json", help="write every launch's numbers here")
+    p.add_argument("--keep-cache", action="store_true", help="keep the Inductor cache folders (printed)")
+    # Internal: one launch, as torchrun runs it.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--launch", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- one launch
+
+
+def build_llama(args: argparse.Namespace, layers: int, device: torch.device) -> nn.Module:
+    import transformers
+
+    shape = dict(SHAPES[args.shape])
+    if args.hidden:
+        shape.update(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4)
+    config = transformers.LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=max(args.seq, 128),
+                                      tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config)
+
+
+def prepare(args: argparse.Namespace, model: nn.Module, device: torch.device) -> nn.Module:
+    """Shards `model` as the variant asks and returns the compiled step function."""
+    world = dist.get_world_size()
+    compute = torch.bfloat16 if args.dtype == "bf16" else None
+    if args.variant == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return torch.compile(model)
+    import zpp_compile as zpp
+
+    options = {"param_dtype": compute, "ranks_per_node": world}
+    if args.variant == "all3":
+        # Two emulated nodes where there are two ranks or more, so each technique has a link to act on.
+        per_node = max(world // 2, 1)
+        options.update(quantized_weights=True, hpz_partition_size=per_node, quantized_gradients=True,
+                       ranks_per_node=per_node)
+    zpp.shard(model, zpp.Config(**options))
+    return torch.compile(model, backend="zeropp")
+
+
+def compile_seconds() -> dict[str, float]:
+    """Every function torch.compile timed in this process, in seconds (summed over graphs)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {name: float(value) for name, value in zip(names, values)}
+
+
+def worker(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpt import init_distributed  # examples/gpt.py
+
+    device = init_distributed()
+    rank = dist.get_rank()
+    layers = int(args.layers[0])
+    model = build_llama(args, layers, device)
+    step_fn = prepare(args, model, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+
+    def step() -> float:
+        loss = step_fn(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return loss.item()
+
+    dist.barrier()
+    profiler = cProfile.Profile() if args.profile and rank == 0 else None
+    start, start_cpu = time.perf_counter(), cpu_seconds()
+    if profiler:
+        profiler.enable()
+    step()
+    if profiler:
+        profiler.disable()
+    first, first_cpu = time.perf_counter() - start, cpu_seconds() - start_cpu
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    firsts = [None] * dist.get_world_size()
+    dist.all_gather_object(firsts, first)
+    if rank == 0:
+        result = {"variant": args.variant, "layers": layers, "launch": args.launch, "first_step_s": max(firsts),
+                  "first_step_cpu_s": first_cpu,
+                  "ms_per_step": 1e3 * statistics.median(times) if times else None, "peak_gib": peak,
+                  "compile_times": compile_seconds()}
+        Path(args.out).write_text(json.dumps(result))
+        if profiler:
+            write_profile(profiler, Path(args.profile) / f"{args.variant}-{layers}-{args.launch}")
+    dist.destroy_process_group()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it waited for (the C++ compiler): on a
+    shared machine a steadier measure of compilation than the wall clock."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def write_profile(profiler: cProfile.Profile, stem: Path) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(f"{stem}.prof")
+    with open(f"{stem}.txt", "w") as f:
+        pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def phases(first_step_s: float, times: dict[str, float]) -> dict[str, float]:
+    """The first step's seconds by phase (COLUMNS), then each zeropp pass as "pass NAME"."""
+    t = lambda *keys: sum(times.get(k, 0.0) for k in keys)  # noqa: E731
+    passes = {k.removeprefix("zeropp."): v for k, v in times.items() if k.startswith("zeropp.")}
+    out = {
+        "dynamo": t("_compile.compile_inner") - t("OutputGraph.call_user_compiler"),
+        "aot trace": t("aot_collect_metadata", "aot_trace_joint_graph"),
+        "partitioner": t("min_cut_rematerialization_partition"),
+        "zeropp passes": sum(passes.values()),
+        # zeropp's passes run inside Inductor's joint and post-grad pass pipelines.
+        "inductor passes": t("_recursive_pre_grad_passes", "_recursive_joint_graph_passes",
+                             "_recursive_post_grad_passes") - sum(passes.values()),
+        "lowering": t("GraphLowering.run"),
+        "sched+codegen": t("GraphLowering.codegen"),
+        # Loading the generated module compiles its kernels (C++ on CPU, Triton on GPUs).
+        "compile code": t("GraphLowering.compile_to_module") - t("GraphLowering.codegen"),
+    }
+    out["rest"] = first_step_s - sum(out.values())
+    return {**out, **{f"pass {name}": seconds for name, seconds in passes.items()}}
+
+
+def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache: Path) -> dict:
+    out = cache / f"{name}.json"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if not torch.cuda.is_available():
+        env.setdefault("TRITON_INTERPRET", "1")  # zeropp's quantization kernels run in Triton's interpreter
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # so that "cpu s" sees every compiler process
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               __file__, "--worker", "--variant", variant, "--launch", name, "--out", str(out),
+               "--layers", str(layers), "--shape", args.shape, "--seq", str(args.seq), "--batch", str(args.batch),
+               "--steps", str(args.steps), "--dtype", args.dtype]
+    command += ["--hidden", str(args.hidden)] if args.hidden else []
+    command += ["--profile", args.profile] if args.profile else []
+    start = time.perf_counter()
+    subprocess.run(command, env=env, check=True)
+    result = json.loads(out.read_text())
+    result["launch_s"] = time.perf_counter() - start
+    return result
+
+
+def table(results: list[dict]) -> str:
+    width = {c: max(len(c), 6) for c in COLUMNS}
+    lines = [f"{'variant':<7} {'layers':>6} {'launch':<6} {'first step s':>12} {'cpu s':>7} {'ms/step':>8} "
+             f"{'peak GiB':>8}  " + " ".join(f"{c:>{width[c]}}" for c in COLUMNS)]
+    for r in results:
+        p = phases(r["first_step_s"], r["compile_times"])
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        lines.append(f"{r['variant']:<7} {r['layers']:>6} {r['launch']:<6} {r['first_step_s']:>12.1f} "
+                     f"{r['first_step_cpu_s']:>7.1f} "
+                     f"{r['ms_per_step']:>8.1f} {peak:>8}  " + " ".join(f"{p[c]:>{width[c]}.1f}" for c in COLUMNS))
+    for r in results:
+        p = phases(r["first_step_s"], r["compile_times"])
+        if any(k.startswith("pass ") for k in p):
+            lines.append(f"  zeropp passes, {r['variant']} {r['layers']} layers {r['launch']}: "
+                         + ", ".join(f"{k[5:]} {v:.2f} s" for k, v in p.items() if k.startswith("pass ")))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    results = []
+    for layers in args.layers or DEFAULT_LAYERS[args.shape]:
+        for variant in args.variants:
+            cache = Path(tempfile.mkdtemp(prefix=f"zpp-probe-{variant}-{layers}-"))
+            try:
+                for name in ("cold", "warm"):
+                    results.append(launch(args, variant, layers, name, cache))
+                    print(table(results[-1:]), flush=True)
+            finally:
+                if args.keep_cache:
+                    print(f"cache kept: {cache}")
+                else:
+                    shutil.rmtree(cache, ignore_errors=True)
+    print()
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

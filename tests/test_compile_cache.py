@@ -1,0 +1,173 @@
+"""Warm restarts: zeropp's graphs come from Inductor's caches in a new process, with the same
+ledger and bit-identical training; a changed config or topology misses the cache.
+
+Two launches of 2 ranks share one fresh cache directory; in each, several small models are
+sharded in the same order, so the same sharding ids (which Dynamo's graphs name) line up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+import zpp_compile as zpp
+from zpp_compile.compile_cache import PassCache, passes_key
+from zpp_compile.pass_manager import PassManager
+from zpp_compile.runtime.ledger import CommReport, GraphComm
+from zpp_compile.runtime.topology import Group, Topology
+from distributed import device, run_ranks
+
+# All three techniques, 2 ranks as 2 emulated nodes: every zeropp op is in the cached graphs.
+ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 1,
+             "quantized_gradients": True, "gradient_block_size": 32, "ranks_per_node": 1}
+# The same passes, another config: qgZ's inter-node hop in INT8 instead of INT4.
+INT8_GRADIENTS = {**ALL_THREE, "gradient_bits": 8}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def train(model: nn.Module, options: dict, rank: int) -> dict:
+    """Two SGD steps of the compiled model; the ledger entries its graphs added, its final
+    parameters and losses, and the cache counters it moved."""
+    before = {**counters["aot_autograd"], **counters["inductor"]}
+    start = len(zpp.REGISTRY.ledger)
+    step_fn = torch.compile(model, backend="zeropp", options=options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(2):
+        loss = step_fn(torch.randn(4, 8, generator=g).to(device())).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    after = {**counters["aot_autograd"], **counters["inductor"]}
+    moved = {k: after[k] - before.get(k, 0) for k in after if "cache" in k and after[k] != before.get(k, 0)}
+    return {"graphs": zpp.REGISTRY.ledger[start:], "losses": losses, "counters": moved,
+            # As lists: tensors sent between processes would share memory with a rank that has exited.
+            "params": {k: v.cpu().tolist() for k, v in zpp.full_state_dict(model).items()}}
+
+
+def launch(rank: int, world_size: int, second: bool, dump_dir: str) -> dict:
+    """Launch 1 trains m0 and m1 with ALL_THREE. Launch 2 trains m0 with INT8 gradients (the same
+    Dynamo graph as launch 1's m0, another config), m1 as in launch 1, and m2 with a dump directory."""
+    first_model = zpp.shard(mlp().to(device()), ALL_THREE)
+    second_model = zpp.shard(mlp().to(device()), ALL_THREE)
+    runs = {"m0": train(first_model, INT8_GRADIENTS if second else {}, rank)}
+    if not second:
+        # An inference graph first, so that m1's graphs get other ids than in launch 2.
+        with torch.no_grad():
+            torch.compile(first_model, backend="zeropp")(torch.randn(4, 8).to(device()))
+    runs["m1"] = train(second_model, {}, rank)
+    if second:
+        runs["m2"] = train(zpp.shard(mlp().to(device()), ALL_THREE), {"dump_dir": dump_dir}, rank)
+    return runs
+
+
+def without_ids(graphs: list[GraphComm]) -> dict:
+    """The report of `graphs`, with graph names stripped of the graph id (which differs between launches)."""
+    report = CommReport.from_graphs(graphs).to_dict()
+    for row in report["collectives"]:
+        row["graph"] = row["graph"].split(".")[1]
+    return report
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> tuple[list[dict], list[dict], Path]:
+    cache, dump = tmp_path_factory.mktemp("inductor_cache"), tmp_path_factory.mktemp("dump")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the spawned ranks inherit it
+        first = run_ranks(launch, 2, False, str(dump))
+        second = run_ranks(launch, 2, True, str(dump))
+    return first, second, dump
+
+
+def test_a_new_process_hits_the_cache_with_the_same_ledger_and_results(launches):
+    first, second, _ = launches
+    for rank in (0, 1):
+        cold, warm = first[rank]["m1"], second[rank]["m1"]
+        assert cold["counters"].get("autograd_cache_saved") == 1, cold["counters"]
+        assert warm["counters"] == {"autograd_cache_hit": 1, "fxgraph_cache_hit": 2}, warm["counters"]
+        # The ledger is restored under this process's graph ids, with the same collectives.
+        assert {g.graph_name for g in warm["graphs"]} == {"g1.forward", "g1.backward"}
+        assert {g.graph_name for g in cold["graphs"]} == {"g2.forward", "g2.backward"}
+        assert without_ids(warm["graphs"]) == without_ids(cold["graphs"])
+        assert without_ids(warm["graphs"])["inter_bytes"] > 0
+        assert warm["losses"] == cold["losses"]
+        assert warm["params"] == cold["params"]  # bit for bit: float32 values are exact in Python floats
+
+
+def test_a_changed_config_misses_the_cache(launches):
+    first, second, _ = launches
+    for rank in (0, 1):
+        assert second[rank]["m0"]["counters"].get("autograd_cache_hit", 0) == 0, second[rank]["m0"]["counters"]
+        assert second[rank]["m0"]["counters"].get("autograd_cache_miss") == 1
+        # Compiled afresh with INT8 gradients: twice the INT4 hop's bytes (plus the same scales).
+        int4, int8 = (without_ids(run[rank]["m0"]["graphs"])["phases"]["gradient reduction"]["inter_bytes"]
+                      for run in (first, second))
+        assert int4 < int8 < 2 * int4, (int4, int8)
+
+
+def test_a_dump_bypasses_the_cache_and_reports_what_a_cache_hit_does(launches):
+    _, second, dump = launches
+    for rank in (0, 1):
+        dumped = second[rank]["m2"]
+        assert not any(k.endswith(("_hit", "_saved")) for k in dumped["counters"]), dumped["counters"]
+        files = sorted((dump / f"rank{rank}").glob("g2.*.comm.json"), key=lambda f: "backward" in f.name)
+        from_files = [GraphComm.from_dict(json.loads(f.read_text())) for f in files]
+        assert len(from_files) == 2 and any(dump.glob(f"rank{rank}/g2.*.schedule.txt"))
+        assert without_ids(from_files) == without_ids(second[rank]["m1"]["graphs"])
+
+
+def topology(rank: int = 0, world: int = 4, ranks_per_node: int = 2, hpz: int = 0) -> Topology:
+    def group(name: str, ranks: range) -> Group:
+        return Group(name, tuple(ranks))
+
+    node = rank // ranks_per_node
+    intra = group("1", range(node * ranks_per_node, (node + 1) * ranks_per_node))
+    inter = group("2", range(rank % ranks_per_node, world, ranks_per_node))
+    secondary = group("3", range(rank // hpz * hpz, (rank // hpz + 1) * hpz)) if hpz else None
+    return Topology(rank, world, ranks_per_node, torch.device("cpu"), group("0", range(world)), intra, inter,
+                    secondary, None)
+
+
+def test_the_cache_key_covers_config_topology_and_rank_but_not_the_graph_id(tmp_path):
+    def key(config: zpp.Config = zpp.Config(), graph_id: str = "g0", **where) -> str:
+        return passes_key(PassManager(config, topology(**where), graph_id))
+
+    base = key()
+    assert key(graph_id="g7") == base
+    assert key(zpp.Config(collective_timeout_s=5.0)) == base  # changes no graph
+    changed = [key(zpp.Config(quantized_weights=True)), key(zpp.Config(prefetch=2)),
+               key(zpp.Config(bucket_size=0)), key(zpp.Config(param_dtype="bf16")),
+               key(zpp.Config(disable_passes=("schedule_overlap",))),
+               key(ranks_per_node=1), key(world=8), key(hpz=2), key(rank=1)]
+    assert len({base, *changed}) == len(changed) + 1
+    # With a dump directory every pass must run: no cache key, so Inductor compiles afresh.
+    dumping = PassManager(dataclasses.replace(zpp.Config(), dump_dir=str(tmp_path)), topology(), "g0")
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    assert PassCache.open(dumping, gm, [], {}) is None
+    assert PassCache.open(PassManager(zpp.Config(), topology(), "g0"), gm, [], {"force_disable_caches": True}) is None
+
+
+def test_a_restored_entry_gives_way_to_the_graph_compiled_after_all():
+    # A backward restored with its forward from the record, then compiled at its first use (its
+    # entry in Inductor's cache was gone): the ledger holds it once, as compiled.
+    manager, start = PassManager(zpp.Config(), topology(), "g9"), len(zpp.REGISTRY.ledger)
+    restored, compiled = GraphComm("g9.backward", "backward", ()), GraphComm("g9.backward", "backward", (), 5)
+    manager.record(GraphComm("g9.forward", "forward", ()), restored=True)
+    manager.record(restored, restored=True)
+    manager.record(compiled)
+    manager.record(GraphComm("g9.backward", "backward", ()))  # e.g. a subgraph's: kept beside it
+    assert [g.secondary_bytes for g in zpp.REGISTRY.ledger[start:]] == [0, 5, 0]
+    assert manager.graphs == zpp.REGISTRY.ledger[start:]
+    del zpp.REGISTRY.ledger[start:]

@@ -1,0 +1,140 @@
+"""Warm restarts: zeropp's graphs served from Inductor's FX graph and AOTAutograd caches.
+
+Inductor keys a compiled graph on the graph it is handed and on the `uuid()` of each custom pass,
+and on a hit the passes do not run. So the uuid covers everything else that decides what the
+passes make of a graph: their code, the Config, the topology (with this rank's place in it and
+its process groups' names) and the model's layers. What the passes leave outside the graph, the
+communication ledger's entries, is kept in a record beside Inductor's cache, keyed by the Dynamo
+graph and that uuid, and entered into the ledger again on a hit.
+
+The record holds a random token that is part of the uuid, so an entry of Inductor's cache is only
+hit by a process that holds the record written with it: a deleted record, or an entry of a remote
+cache, gives a miss (the passes run and write a new record), never a ledger without the graph.
+
+With a dump directory the graphs bypass the caches: the per-pass dump needs every pass to run.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.fx as fx
+from torch._inductor.runtime.runtime_utils import cache_dir
+
+from .runtime.ledger import GraphComm
+
+if TYPE_CHECKING:
+    from .pass_manager import PassManager
+
+# Config fields that change no graph: where dumps go, and how long a collective may wait.
+_GRAPH_NEUTRAL_FIELDS = ("dump_dir", "collective_timeout_s")
+
+
+@functools.cache
+def pass_code_version() -> str:
+    """A hash of zeropp's source (the passes, the runtime ops and kernels, the backend): any
+    change to the code that rewrites or records the graphs makes new cache keys."""
+    from . import passes, runtime
+
+    digest = hashlib.sha256()
+    for folder in (Path(__file__).parent, *map(Path, passes.__path__), *map(Path, runtime.__path__)):
+        for path in sorted(folder.glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def passes_key(manager: PassManager) -> str:
+    """What, besides the incoming graph, decides what `manager`'s passes produce."""
+    config = {k: v for k, v in manager.config.to_dict().items() if k not in _GRAPH_NEUTRAL_FIELDS}
+    topology = manager.topology
+    groups = {role: [group.name, list(group.ranks)] if group else None
+              for role, group in (("world", topology.world), ("intra_node", topology.intra_node),
+                                  ("inter_node", topology.inter_node), ("secondary", topology.secondary))}
+    values = {
+        "code": pass_code_version(),
+        "config": config,
+        "topology": {"rank": topology.rank, "world_size": topology.world_size,
+                     "ranks_per_node": topology.ranks_per_node, "device": topology.device.type, "groups": groups},
+        "passes": [(p.name, p.stage) for p in manager.passes],
+        "layers": list(manager.layers),
+    }
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """The Dynamo graph as the caches see it: its code and its inputs' types, shapes and dtypes."""
+    digest = hashlib.sha256(gm.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            strides = tuple(x.stride()) if x.layout == torch.strided else None
+            digest.update(repr((type(x).__name__, tuple(x.shape), strides, x.dtype, x.device.type,
+                                x.requires_grad)).encode())
+        else:
+            digest.update(repr((type(x).__name__, x)).encode())
+    return digest.hexdigest()
+
+
+def _inductor_caches_on(overrides: Mapping[str, Any]) -> bool:
+    def setting(name: str) -> Any:
+        return overrides.get(name, getattr(inductor_config, name))
+
+    return not setting("force_disable_caches") and bool(setting("fx_graph_cache") or setting("fx_graph_remote_cache"))
+
+
+@dataclass
+class PassCache:
+    """The cache identity of one Dynamo graph's passes, and the record of what they produced."""
+
+    uuid: str  # what zeropp's custom-pass hooks give Inductor as their uuid()
+    path: Path  # the record
+    stored: list[dict[str, Any]]  # the ledger entries the record holds, graph names without the graph id
+
+    @classmethod
+    def open(cls, manager: PassManager, gm: fx.GraphModule, example_inputs: Sequence[Any],
+             inductor_options: Mapping[str, Any]) -> PassCache | None:
+        """The cache of `gm`'s compilation; None where the graphs must bypass the caches (a dump
+        directory is set) or Inductor's caches are off."""
+        if manager.config.dump_dir is not None or not _inductor_caches_on(inductor_options):
+            return None
+        key = passes_key(manager)
+        record_name = hashlib.sha256((key + _graph_key(gm, example_inputs)).encode()).hexdigest()
+        path = Path(cache_dir()) / "zeropp" / f"{record_name}.json"
+        record = _read_record(path)
+        token = record["token"] if record else secrets.token_hex(8)
+        return cls(f"zeropp-{key}-{token}", path, record["graphs"] if record else [])
+
+    def save(self, graphs: list[GraphComm]) -> None:
+        """Writes the record (atomically: ranks and jobs may share the cache directory)."""
+        token = self.uuid.rsplit("-", 1)[1]
+        entries = [{**g.to_dict(), "graph": g.kind} for g in graphs]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as f:
+            json.dump({"token": token, "graphs": entries}, f)
+        os.replace(f.name, self.path)
+
+    def restore(self, manager: PassManager) -> None:
+        """Enters the recorded graphs the passes did not produce (Inductor served them) in the ledger."""
+        produced = {g.kind for g in manager.graphs}
+        for entry in self.stored:
+            if entry["kind"] not in produced:
+                comm = GraphComm.from_dict({**entry, "graph": f"{manager.graph_id}.{entry['kind']}"})
+                manager.record(comm, restored=True)
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # none yet, or unreadable: the passes run and write a new one
+    return record if isinstance(record, dict) and {"token", "graphs"} <= record.keys() else None
