@@ -1,8 +1,19 @@
-"""FSDP2 and zeropp side by side: one launch, one process group, the same model and data.
+"""FSDP2, DeepSpeed and zeropp side by side: one launch, one process group, the same model and data.
 
     torchrun --nproc_per_node=2 examples/bench.py                    # GPUs: DESIGN.md section 6's GPT
     torchrun --nproc_per_node=2 examples/bench.py --slow-link        # NCCL without NVLink/SHM
     torchrun --nproc_per_node=2 examples/bench.py --variants zero3,all3 --steps 5
+    torchrun --nproc_per_node=2 examples/bench.py --model llama-3b --seq 4096 --batch 1 --rounds 3
+    torchrun --nproc_per_node=2 examples/bench.py --model llama-8b --seq 4096 --batch 1 --activation-checkpointing full
+
+Models (--model): "gpt", the byte-level GPT of examples/gpt.py trained on the standard library's
+source (--dim, --heads, --layers); or HF transformers' LlamaForCausalLM built from a config with the
+shapes of Llama-3.2-1B ("llama-1b": width 2048, 16 layers, 32 heads, 8 key/value heads, MLP 8192,
+tied embeddings), Llama-3.2-3B ("llama-3b": 3072, 28, 24, 8, 8192, tied) or Llama-3.1-8B
+("llama-8b": 4096, 32, 32, 8, 14336, untied), vocabulary 128256, rope_theta 500000 (without
+Llama 3's long-context frequency scaling, which costs nothing), SDPA attention, trained on
+random token ids; "llama-tiny" is the same architecture at CPU-test size (--layers overrides the
+depth of any). transformers is needed for the Llama models only, DeepSpeed for its variants only.
 
 Variants (each a fresh model from the same seed, trained on the same batches):
 
@@ -11,17 +22,24 @@ Variants (each a fresh model from the same seed, trained on the same batches):
     fsdp2_no_reshard   FSDP2, weights kept from forward to backward, bf16 reduction
     zero3 qwz hpz qgz all3   zeropp: plain ZeRO-3, each technique alone, all three
     zero3_graphs all3_graphs zero3 and all3 with Config.cuda_graphs (GPUs only)
+    deepspeed_zero3    DeepSpeed ZeRO-3, bf16, its fused AdamW (when deepspeed is installed)
+    deepspeed_zeropp   DeepSpeed ZeRO++: zero_quantized_weights, zero_hpz_partition_size = ranks
+                       per emulated node (DeepSpeed reads 1 as off), zero_quantized_gradients
 
 FSDP2 is `fully_shard` per block and on the root, bf16 parameters, each block compiled (as
 torchtitan does); zeropp is `zpp_compile.shard` with bf16 parameters and the whole step under
-`torch.compile(backend="zeropp")`. zeropp reduces gradients in bf16 by default
+`torch.compile(backend="zeropp")`. DeepSpeed runs eagerly, as its users run it, from a config
+written from its documented keys (stage 3, bf16, overlap_comm, contiguous_gradients, its
+"AdamW" optimizer, which it runs as its fused Adam in AdamW mode). zeropp reduces gradients in bf16 by default
 (`--zpp-reduce-dtype`), like FSDP2's bf16 settings and DeepSpeed's ZeRO-3. hpZ's secondary group
 is one emulated node (`--ranks-per-node`, default half the ranks: 2 GPUs are 2 nodes of 1 rank, so
 hpZ keeps a full copy, as "no reshard" does).
 
 Each variant is compared with FSDP2 at equal memory: zeropp without hpZ against the best FSDP2
 setting that reshards after forward, zeropp with hpZ against the best FSDP2 setting of all (no
-reshard keeps at least as much as hpZ does). A step is forward + backward + AdamW (fused on GPUs,
+reshard keeps at least as much as hpZ does). --activation-checkpointing applies to every system:
+zeropp's Config.activation_checkpointing, torch.utils.checkpoint around every layer for FSDP2 and
+DeepSpeed ("selective": torch's selective checkpointing keeping matmul and attention outputs). A step is forward + backward + AdamW (fused on GPUs,
 as torchtitan runs it). With --rounds N every variant runs N times, the variants taking turns, and
 its median round is reported: a link whose speed drifts during a launch (the slow link does, by
 tens of percent) then weighs on every variant alike.
@@ -29,6 +47,10 @@ tens of percent) then weighs on every variant alike.
     tokens/s         all ranks' tokens per step / the slowest rank's step time
     TFLOP/s per GPU  (6 N + 12 L d T) x tokens/s / GPUs: N parameters, L layers, width d,
                      sequence T (PaLM's formula; the causal mask's saved half is not subtracted)
+    MFU              TFLOP/s per GPU over the GPU's peak: 989 TFLOP/s (bf16 dense, H100 and H200
+                     SXM), or --peak-tflops
+    1st s            seconds of the first step, compilation included (cold caches in a fresh
+                     process), the slowest rank's
     inter-node B     bytes one rank receives per step from other (emulated) nodes: zeropp's from
                      the compiled graphs' ledger (also per phase), FSDP2's analytic (its gathers
                      in bf16, its reduce-scatter in its reduce dtype, shards padded as FSDP2 pads
@@ -51,6 +73,8 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -73,19 +97,41 @@ from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed
 
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # bf16 dense, SXM
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int  # grouped-query attention
+    ffn: int
+    tied: bool  # input and output embeddings
+
+
+LLAMA_SHAPES = {
+    "llama-1b": LlamaShape(128256, 2048, 16, 32, 8, 8192, True),  # Llama-3.2-1B
+    "llama-3b": LlamaShape(128256, 3072, 28, 24, 8, 8192, True),  # Llama-3.2-3B
+    "llama-8b": LlamaShape(128256, 4096, 32, 32, 8, 14336, False),  # Llama-3.1-8B
+    "llama-tiny": LlamaShape(512, 64, 2, 4, 2, 128, True),  # the same architecture, for CPU tests
+}
+MODELS = ("gpt", *LLAMA_SHAPES)
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
     label: str
-    system: str  # "fsdp2" or "zeropp"
+    system: str  # "fsdp2", "zeropp" or "deepspeed"
     keeps_weights: bool  # gathered weights (or an hpZ copy) live from forward to backward
     reduce_dtype: torch.dtype
-    zpp_options: dict[str, Any] = field(default_factory=dict)
+    zpp_options: dict[str, Any] = field(default_factory=dict)  # zeropp Config fields, or DeepSpeed's zero_optimization keys
 
 
-def all_variants(hpz_size: int, zpp_reduce: torch.dtype) -> dict[str, Variant]:
+def all_variants(hpz_size: int, zpp_reduce: torch.dtype, ranks_per_node: int = 1) -> dict[str, Variant]:
     bf16, fp32 = torch.bfloat16, torch.float32
     qwz, hpz, qgz = {"quantized_weights": True}, {"hpz_partition_size": hpz_size}, {"quantized_gradients": True}
     graphs = {"cuda_graphs": True}
@@ -101,11 +147,24 @@ def all_variants(hpz_size: int, zpp_reduce: torch.dtype) -> dict[str, Variant]:
         Variant("zero3_graphs", "zeropp ZeRO-3, CUDA graphs", "zeropp", False, zpp_reduce, graphs),
         Variant("all3_graphs", f"zeropp qwZ+hpZ={hpz_size}+qgZ, CUDA graphs", "zeropp", True, zpp_reduce,
                 {**qwz, **hpz, **qgz, **graphs}),
+        # DeepSpeed's secondary partition spans ranks_per_node ranks; 1 means none.
+        Variant("deepspeed_zero3", "DeepSpeed ZeRO-3", "deepspeed", False, bf16),
+        Variant("deepspeed_zeropp", f"DeepSpeed ZeRO++ qwZ+hpZ={ranks_per_node}+qgZ", "deepspeed", ranks_per_node > 1,
+                bf16, {"zero_quantized_weights": True, "zero_hpz_partition_size": ranks_per_node,
+                       "zero_quantized_gradients": True}),
     ]
     return {v.name: v for v in variants}
 
 
 VARIANT_NAMES = tuple(all_variants(1, torch.bfloat16))
+
+
+def default_variants(on_gpu: bool, cuda_graphs: bool) -> list[str]:
+    """Every variant this launch can run: CUDA graphs need GPUs and Inductor, DeepSpeed's
+    variants need deepspeed (and GPUs: its CPU accelerator is not what anyone benchmarks)."""
+    deepspeed = on_gpu and importlib.util.find_spec("deepspeed") is not None
+    return [n for n in VARIANT_NAMES if (cuda_graphs or not n.endswith("_graphs"))
+            and (deepspeed or not n.startswith("deepspeed"))]
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -120,10 +179,16 @@ def _option(text: str) -> tuple[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", help=f"comma-separated subset of {VARIANT_NAMES} (default: all; CUDA graphs: GPUs, Inductor)")
-    p.add_argument("--dim", type=int, help="model width (default 2048 on GPUs, 64 on CPU)")
-    p.add_argument("--layers", type=int, help="blocks (default 12 on GPUs, 2 on CPU)")
-    p.add_argument("--heads", type=int, help="attention heads (default 16 on GPUs, 2 on CPU)")
+    p.add_argument("--variants", help=f"comma-separated subset of {VARIANT_NAMES} (default: all this launch can run: "
+                                      "CUDA graphs need GPUs and Inductor, DeepSpeed's need deepspeed and GPUs)")
+    p.add_argument("--model", choices=MODELS, default="gpt", help="the GPT of examples/gpt.py, or a HF Llama shape")
+    p.add_argument("--dim", type=int, help="GPT width (default 2048 on GPUs, 64 on CPU)")
+    p.add_argument("--layers", type=int, help="blocks (GPT: default 12 on GPUs, 2 on CPU; Llama: the shape's)")
+    p.add_argument("--heads", type=int, help="GPT attention heads (default 16 on GPUs, 2 on CPU)")
+    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none",
+                   help="recompute each layer's activations in backward, in every system")
+    p.add_argument("--peak-tflops", type=float,
+                   help="peak TFLOP/s per GPU for MFU (default: 989, bf16 dense, on H100 and H200; none elsewhere)")
     p.add_argument("--seq", type=int, help="sequence length (default 1024 on GPUs, 64 on CPU)")
     p.add_argument("--batch", type=int, help="sequences per GPU per step (default 2)")
     p.add_argument("--steps", type=int, help="timed steps per variant (default 10 on GPUs, 2 on CPU)")
@@ -149,6 +214,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.warmup is not None and args.warmup < 1:
+        p.error(f"--warmup {args.warmup}: give 1 or more (the first step compiles)")
+    if args.model != "gpt" and (args.dim or args.heads):
+        p.error(f"--dim and --heads shape the GPT; {args.model} has its own (use --model llama-tiny for a small Llama, "
+                "--layers for fewer layers)")
+    if args.model != "gpt" and importlib.util.find_spec("transformers") is None:
+        p.error(f"--model {args.model} needs HF transformers: pip install transformers")
+    requested = args.variants.split(",") if args.variants else []
+    if any(n.startswith("deepspeed") for n in requested) and importlib.util.find_spec("deepspeed") is None:
+        p.error("the deepspeed_* variants need DeepSpeed: pip install deepspeed")
     args.zpp_option = dict(args.zpp_option)
     try:
         zpp.Config(**args.zpp_option)
@@ -158,40 +233,150 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fill_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
-    """DESIGN.md section 6's GPT on GPUs; a model that runs in seconds on CPU (the CI smoke test)."""
+    """DESIGN.md section 6's GPT on GPUs; a model that runs in seconds on CPU (the CI smoke test).
+    A Llama shape brings its own width, heads and depth."""
     gpu = {"dim": 2048, "layers": 12, "heads": 16, "seq": 1024, "batch": 2, "steps": 10, "warmup": 3}
     cpu = {"dim": 64, "layers": 2, "heads": 2, "seq": 64, "batch": 2, "steps": 2, "warmup": 1}
-    for key, value in (gpu if on_gpu else cpu).items():
+    defaults = gpu if on_gpu else cpu
+    if args.model != "gpt":
+        shape = LLAMA_SHAPES[args.model]
+        defaults = {**defaults, "dim": shape.dim, "layers": shape.layers, "heads": shape.heads}
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     graphs = on_gpu and args.compile_mode == "inductor"  # what Config.cuda_graphs needs
-    args.variants = args.variants or ",".join(n for n in VARIANT_NAMES if graphs or not n.endswith("_graphs"))
+    args.variants = args.variants or ",".join(default_variants(on_gpu, graphs))
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    """The benchmarked model, on the current default device, from the seed set before."""
+    if args.model == "gpt":
+        return GPT(GPTConfig(seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers))
+    transformers = importlib.import_module("transformers")
+    shape = LLAMA_SHAPES[args.model]
+    config = transformers.LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=shape.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, tie_word_embeddings=shape.tied,
+        max_position_embeddings=max(args.seq, 8192), rope_theta=500000.0, rms_norm_eps=1e-5, use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def model_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks (what FSDP2 shards one by one and checkpointing wraps)."""
+    return model.blocks if isinstance(model, GPT) else model.model.layers
+
+
+def step_loss(model_name: str, step_model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss of one batch (for the Llama models y is x: HF causal LMs shift the labels themselves)."""
+    if model_name == "gpt":
+        return step_model(x, y)
+    return step_model(input_ids=x, labels=y).loss
+
+
+def random_tokens(vocab: int, step: int, rank: int, world: int, per_rank: int, seq: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s token ids for `step`, as inputs and labels (one tensor: the model shifts)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = torch.randint(0, vocab, (world * per_rank, seq), generator=g)[rank * per_rank:(rank + 1) * per_rank]
+    return ids, ids
+
+
+# Ops whose outputs torch's selective checkpointing keeps for FSDP2 and DeepSpeed (what zeropp's
+# "selective" keeps): matrix products and attention.
+_SAVED_OPS = {getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name)}
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    """torch's selective checkpointing: keep _SAVED_OPS' outputs, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        saved = getattr(op, "overloadpacket", op) in _SAVED_OPS
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+class Checkpointed(nn.Module):
+    """A layer under torch.utils.checkpoint: its activations are recomputed in backward."""
+
+    def __init__(self, layer: nn.Module, selective: bool) -> None:
+        super().__init__()
+        self.layer, self.selective = layer, selective
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.selective:
+            return torch.utils.checkpoint.checkpoint(self.layer, *args, use_reentrant=False,
+                                                     context_fn=_selective_contexts, **kwargs)
+        return torch.utils.checkpoint.checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_layers(model: nn.Module, mode: str) -> None:
+    """torch.utils.checkpoint around every layer (as torchtitan applies it to FSDP2 models)."""
+    if mode == "none":
+        return
+    layers = model_layers(model)
+    for index, layer in enumerate(layers):
+        layers[index] = Checkpointed(layer, selective=mode == "selective")
 
 
 # ----------------------------------------------------------------------------- building a variant
 
 
-def build_fsdp2(cfg: GPTConfig, variant: Variant, mesh: DeviceMesh, backend: str) -> tuple[nn.Module, nn.Module]:
-    """GPT under FSDP2; returns (the module to call, the module holding the parameters)."""
-    model = GPT(cfg)
+def build_fsdp2(model: nn.Module, variant: Variant, mesh: DeviceMesh, backend: str,
+                checkpointing: str) -> tuple[nn.Module, nn.Module]:
+    """`model` under FSDP2; returns (the module to call, the module holding the parameters)."""
+    checkpoint_layers(model, checkpointing)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=variant.reduce_dtype)
     reshard = not variant.keeps_weights
-    for index, block in enumerate(model.blocks):
+    layers = model_layers(model)
+    for index, block in enumerate(layers):
         compiled = torch.compile(block, backend=backend)  # FSDP2's hooks stay outside the compiled block
         fully_shard(compiled, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        model.blocks[index] = compiled
+        layers[index] = compiled
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     return model, model
 
 
-def build_zeropp(
-    cfg: GPTConfig, variant: Variant, ranks_per_node: int, debug: bool, extra: dict[str, Any]
-) -> tuple[nn.Module, nn.Module]:
-    config = zpp.Config(param_dtype=torch.bfloat16, reduce_dtype=variant.reduce_dtype,
-                        ranks_per_node=ranks_per_node, **variant.zpp_options, **extra)
-    model = zpp.shard(GPT(cfg), config)
-    options = {"inductor": False} if debug else None
-    return torch.compile(model, backend="zeropp", options=options), model
+def build_zeropp(model: nn.Module, variant: Variant, ranks_per_node: int, debug: bool, extra: dict[str, Any],
+                 checkpointing: str) -> tuple[nn.Module, nn.Module]:
+    options = {"activation_checkpointing": checkpointing, **variant.zpp_options, **extra}
+    config = zpp.Config(param_dtype=torch.bfloat16, reduce_dtype=variant.reduce_dtype, ranks_per_node=ranks_per_node,
+                        **options)
+    model = zpp.shard(model, config)
+    return torch.compile(model, backend="zeropp", options={"inductor": False} if debug else None), model
+
+
+def deepspeed_config(variant: Variant, batch_per_gpu: int, world: int) -> dict[str, Any]:
+    """DeepSpeed's JSON config for a variant: ZeRO stage 3 in bf16 with its AdamW (the
+    hyperparameters of the other systems' AdamW), plus the variant's ZeRO++ keys."""
+    return {
+        "train_batch_size": batch_per_gpu * world,
+        "train_micro_batch_size_per_gpu": batch_per_gpu,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, **variant.zpp_options},
+        "steps_per_print": 1 << 30,
+    }
+
+
+def build_deepspeed(model: nn.Module, variant: Variant, batch_per_gpu: int, world: int,
+                    checkpointing: str) -> tuple[Any, nn.Module]:
+    """`model` under a DeepSpeed engine, which owns its optimizer; returns (engine, engine)."""
+    import deepspeed
+
+    checkpoint_layers(model, checkpointing)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(variant, batch_per_gpu, world))
+    return engine, engine
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -316,8 +501,16 @@ def profiled_kernels(run: Callable[[], None], trace_prefix: str | None = None) -
     return sorted((e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"), wall_us
 
 
-def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
-    return 6 * n_params + 12 * cfg.layers * cfg.dim * cfg.seq
+def flops_per_token(layers: int, dim: int, seq: int, n_params: int) -> float:
+    return 6 * n_params + 12 * layers * dim * seq
+
+
+def peak_tflops(args: argparse.Namespace, device: torch.device) -> float | None:
+    """Peak bf16 dense TFLOP/s of one GPU: --peak-tflops, else the table's entry for this GPU."""
+    if args.peak_tflops or device.type != "cuda":
+        return args.peak_tflops
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
 def padded_shard_numel(model: nn.Module, world: int) -> int:
@@ -347,8 +540,7 @@ def rank_max(value: float, device: torch.device) -> float:
 def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[torch.Tensor, torch.Tensor]],
                 env: dict[str, Any], trace_name: str) -> dict[str, Any]:
     device, world, ranks_per_node = env["device"], env["world"], env["ranks_per_node"]
-    cfg = GPTConfig(seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers)
-    debug = args.compile_mode == "debug"
+    debug, checkpointing = args.compile_mode == "debug", args.activation_checkpointing
     zpp.REGISTRY.ledger.clear()  # the ledger then holds this variant's graphs only
     leftover = None
     if device.type == "cuda":  # what earlier variants left allocated (should be ~0) is reported
@@ -356,23 +548,40 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         leftover = torch.cuda.memory_allocated()
     torch.manual_seed(args.seed)
     with device:
+        model = build_model(args)
+        n_params = sum(p.numel() for p in model.parameters())  # tied parameters once
+        shard_numel = padded_shard_numel(model, world)
         if variant.system == "fsdp2":
-            step_model, model = build_fsdp2(cfg, variant, env["mesh"], "aot_eager" if debug else "inductor")
+            step_model, model = build_fsdp2(model, variant, env["mesh"], "aot_eager" if debug else "inductor", checkpointing)
+        elif variant.system == "zeropp":
+            step_model, model = build_zeropp(model, variant, ranks_per_node, debug, args.zpp_option, checkpointing)
         else:
-            step_model, model = build_zeropp(cfg, variant, ranks_per_node, debug, args.zpp_option)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=device.type == "cuda")
+            step_model, model = build_deepspeed(model, variant, args.batch, world, checkpointing)
+    if variant.system == "deepspeed":
+        def optimize(loss: torch.Tensor) -> None:
+            step_model.backward(loss)
+            step_model.step()
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
+                                fused=device.type == "cuda")
+
+        def optimize(loss: torch.Tensor) -> None:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     step_index = 0
 
     def train(steps: int) -> None:
         nonlocal step_index
         for _ in range(steps):
             x, y = data[step_index % len(data)]
-            step_model(x, y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(step_loss(args.model, step_model, x, y))
             step_index += 1
 
-    warmup_s, _ = timed(device, lambda: train(args.warmup))
+    first_step_s, _ = timed(device, lambda: train(1))
+    first_step_s = rank_max(first_step_s, device)
+    warmup_s, _ = timed(device, lambda: train(args.warmup - 1))
+    warmup_s += first_step_s
     dist.barrier()
     seconds, host_seconds = timed(device, lambda: train(args.steps))
     seconds = rank_max(seconds, device) / args.steps
@@ -384,25 +593,29 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         exposed, peer_wait = rank_max(exposed, device), rank_max(peer_wait, device)
     peak = rank_max(torch.cuda.max_memory_allocated(), device) if device.type == "cuda" else None
 
-    n_params = sum(p.numel() for p in model.parameters())
     tokens_per_s = world * args.batch * args.seq / seconds
+    tflops = flops_per_token(args.layers, args.dim, args.seq, n_params) * tokens_per_s / world / 1e12
     result = {
         "name": variant.name, "label": variant.label, "system": variant.system,
         "reduce_dtype": str(variant.reduce_dtype).removeprefix("torch."), "keeps_weights": variant.keeps_weights,
-        "ms_per_step": seconds * 1e3, "host_ms_per_step": host_seconds * 1e3, "tokens_per_s": tokens_per_s, "warmup_s": warmup_s,
-        "tflops_per_gpu": flops_per_token(cfg, n_params) * tokens_per_s / world / 1e12,
+        "ms_per_step": seconds * 1e3, "host_ms_per_step": host_seconds * 1e3, "tokens_per_s": tokens_per_s,
+        "first_step_s": first_step_s, "warmup_s": warmup_s, "tflops_per_gpu": tflops,
+        "mfu": tflops / env["peak_tflops"] if env["peak_tflops"] else None,
         "peak_memory_bytes": peak, "allocated_at_start_bytes": leftover, "exposed_comm_fraction": exposed,
         "peer_wait_fraction": peer_wait,
         "parameters": n_params,
-        **comm_bytes(variant, model, world, ranks_per_node),
+        **comm_bytes(variant, shard_numel, world, ranks_per_node),
     }
-    del step_model, model, opt
+    if variant.system == "deepspeed" and hasattr(step_model, "destroy"):
+        step_model.destroy()  # its hooks and buffers, before the next variant is measured
+    del step_model, model, optimize
     release_memory(device)
     return result
 
 
-def comm_bytes(variant: Variant, model: nn.Module, world: int, ranks_per_node: int) -> dict[str, Any]:
-    """Bytes per step and rank, with their ratios to plain bf16 ZeRO-3 of the same model and topology."""
+def comm_bytes(variant: Variant, shard_numel: int, world: int, ranks_per_node: int) -> dict[str, Any]:
+    """Bytes per step and rank, with their ratios to plain bf16 ZeRO-3 of the same model and
+    topology; `shard_numel` is one rank's padded shard of the model (see padded_shard_numel)."""
     if variant.system == "zeropp":
         report = zpp.comm_report()
         if not report.rows and world > 1:
@@ -410,10 +623,13 @@ def comm_bytes(variant: Variant, model: nn.Module, world: int, ranks_per_node: i
         intra, inter, source = report.intra_bytes, report.inter_bytes, "ledger"
         baseline_intra, baseline_inter = report.baseline_intra_bytes, report.baseline_inter_bytes
         phases = report.to_dict()["phases"]
+    elif variant.zpp_options:  # DeepSpeed ZeRO++: its traffic is not modelled here
+        return {"intra_bytes": None, "inter_bytes": None, "bytes_source": "-", "phases": None,
+                "inter_ratio": None, "total_ratio": None}
     else:
-        # FSDP2 gathers in bf16 in forward, again in backward unless it keeps the weights, and
-        # reduce-scatters in its reduce dtype; the baseline is plain ZeRO-3 all in bf16.
-        shard_numel = padded_shard_numel(model, world)
+        # FSDP2 and DeepSpeed's ZeRO-3 gather in bf16 in forward, again in backward unless they
+        # keep the weights, and reduce-scatter in their reduce dtype; the baseline is plain ZeRO-3
+        # all in bf16.
         gathers = 1 if variant.keeps_weights else 2
         intra, inter = gather_reduce_bytes(shard_numel, gathers, variant.reduce_dtype, world, ranks_per_node)
         baseline_intra, baseline_inter = gather_reduce_bytes(shard_numel, 2, torch.bfloat16, world, ranks_per_node)
@@ -459,14 +675,17 @@ def add_comparisons(results: list[dict[str, Any]]) -> None:
 
 def table(results: list[dict[str, Any]]) -> str:
     fmt = lambda v, spec: format("-", f">{spec.split('.')[0]}") if v is None else format(v, spec)  # noqa: E731
-    head = (f"{'variant':<18} {'ms/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'peak GB':>8} {'inter MB':>9} "
-            f"{'src':<8} {'inter x':>7} {'exposed':>7} {'wait':>6} {'/FSDP2':>7} {'/eq.mem':>7} {'(ref)':<18} {'/ZeRO-3':>7} {'mem x':>6}")
+    head = (f"{'variant':<18} {'ms/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'1st s':>6} {'peak GB':>8} "
+            f"{'inter MB':>9} {'src':<8} {'inter x':>7} {'exposed':>7} {'wait':>6} {'/FSDP2':>7} {'/eq.mem':>7} "
+            f"{'(ref)':<18} {'/ZeRO-3':>7} {'mem x':>6}")
     lines = [head]
     for r in results:
         peak = r["peak_memory_bytes"] / 1e9 if r["peak_memory_bytes"] is not None else None
+        inter = r["inter_bytes"] / 1e6 if r["inter_bytes"] is not None else None
         lines.append(
             f"{r['name']:<18} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>8.1f} "
-            f"{fmt(peak, '8.2f')} {r['inter_bytes'] / 1e6:>9.1f} {r['bytes_source']:<8} {fmt(r['inter_ratio'], '7.3f')} "
+            f"{fmt(r['mfu'], '6.1%')} {r['first_step_s']:>6.1f} "
+            f"{fmt(peak, '8.2f')} {fmt(inter, '9.1f')} {r['bytes_source']:<8} {fmt(r['inter_ratio'], '7.3f')} "
             f"{fmt(r['exposed_comm_fraction'], '7.1%')} {fmt(r['peer_wait_fraction'], '6.1%')} {fmt(r['vs_fsdp2_default'], '7.2f')} "
             f"{fmt(r['vs_fsdp2_equal_memory'], '7.2f')} {r['fsdp2_equal_memory'] or '-':<18} {fmt(r['vs_zero3'], '7.2f')} "
             f"{fmt(r['memory_vs_fsdp2_equal_memory'], '6.2f')}")
@@ -483,9 +702,10 @@ def plot(results: list[dict[str, Any]], title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [r["name"] for r in results]
-    colors = ["tab:gray" if r["system"] == "fsdp2" else "tab:blue" for r in results]
+    colors = [{"fsdp2": "tab:gray", "deepspeed": "tab:orange"}.get(r["system"], "tab:blue") for r in results]
     panels = [("tokens/s", [r["tokens_per_s"] for r in results]),
-              ("inter-node MB / step / rank", [r["inter_bytes"] / 1e6 for r in results])]
+              ("inter-node MB / step / rank (DeepSpeed ZeRO++: not counted)",
+               [(r["inter_bytes"] or 0) / 1e6 for r in results])]
     if all(r["peak_memory_bytes"] is not None for r in results):  # GPU only
         panels.append(("peak memory GB", [r["peak_memory_bytes"] / 1e9 for r in results]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
@@ -513,13 +733,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks_per_node = emulated_ranks_per_node(world, args.ranks_per_node)
     hpz_size = ranks_per_node if world // ranks_per_node > 1 else 1
-    variants = all_variants(hpz_size, DTYPES[args.zpp_reduce_dtype])
-    env = {"device": device, "world": world, "ranks_per_node": ranks_per_node,
+    variants = all_variants(hpz_size, DTYPES[args.zpp_reduce_dtype], ranks_per_node)
+    peak = peak_tflops(args, device)
+    env = {"device": device, "world": world, "ranks_per_node": ranks_per_node, "peak_tflops": peak,
            "mesh": init_device_mesh(device.type, (world,))}
 
-    text = stdlib_bytes(args.data_bytes)
     steps = args.warmup + args.steps + (args.profile_steps if device.type == "cuda" else 0)
-    data = [tuple(t.to(device) for t in batch(text, i, rank, world, args.batch, args.seq, args.seed)) for i in range(steps)]
+    if args.model == "gpt":
+        text = stdlib_bytes(args.data_bytes)
+        batches = [batch(text, i, rank, world, args.batch, args.seq, args.seed) for i in range(steps)]
+        vocab = 256
+    else:
+        vocab = LLAMA_SHAPES[args.model].vocab
+        batches = [random_tokens(vocab, i, rank, world, args.batch, args.seq, args.seed) for i in range(steps)]
+    data = [tuple(t.to(device) for t in b) for b in batches]
+    model_setup = {"name": args.model, "dim": args.dim, "layers": args.layers, "heads": args.heads, "seq": args.seq,
+             "vocab": vocab}
+    if args.model != "gpt":
+        shape = LLAMA_SHAPES[args.model]
+        model_setup.update(kv_heads=shape.kv_heads, ffn=shape.ffn, tied_embeddings=shape.tied)
+    described = f"{args.model} d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq/GPU" + (
+        f", activation checkpointing {args.activation_checkpointing}" if args.activation_checkpointing != "none" else "")
 
     slow = all(os.environ.get(k) == v for k, v in SLOW_LINK_ENV.items())
     setup = {
@@ -528,15 +762,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "ranks_per_node": ranks_per_node, "hpz_partition_size": hpz_size, "backend": dist.get_backend(),
         "link": "slow (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)" if slow else "default",
         "torch": torch.__version__, "nccl": str(torch.cuda.nccl.version()) if device.type == "cuda" else None,
-        "model": {"dim": args.dim, "layers": args.layers, "heads": args.heads, "seq": args.seq, "vocab": 256},
+        "model": model_setup, "activation_checkpointing": args.activation_checkpointing,
+        "transformers": _version("transformers"), "deepspeed": _version("deepspeed"),
         "batch_per_gpu": args.batch, "warmup_steps": args.warmup, "timed_steps": args.steps, "rounds": args.rounds,
         "profile_steps": args.profile_steps if device.type == "cuda" else 0, "compile_mode": args.compile_mode,
         "param_dtype": "bfloat16", "zeropp_reduce_dtype": str(DTYPES[args.zpp_reduce_dtype]).removeprefix("torch."),
         "flops_per_token": "6 N + 12 L d T (N parameters, L layers, d width, T sequence)",
+        "peak_tflops_per_gpu": peak, "peak_tflops_source": "--peak-tflops" if args.peak_tflops else (
+            "bf16 dense, H100/H200 SXM" if peak else None),
     }
     if rank == 0:
         print(f"bench: {world} ranks as {world // ranks_per_node} emulated nodes x {ranks_per_node}, {setup['device']}, "
-              f"link {setup['link']}, GPT d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq/GPU", flush=True)
+              f"link {setup['link']}, {described}", flush=True)
+        if peak:
+            print(f"MFU against a peak of {peak:.0f} TFLOP/s per GPU ({setup['peak_tflops_source']})", flush=True)
 
     names = args.variants.split(",")
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -547,7 +786,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rounds[name].append(r)
             if rank == 0:
                 print(f"  {label:<24} {r['ms_per_step']:8.1f} ms/step (host issues a step in {r['host_ms_per_step']:.1f} ms) "
-                      f"{r['tokens_per_s']:>10,.0f} tokens/s  (warmup with compilation {r['warmup_s']:.1f} s)", flush=True)
+                      f"{r['tokens_per_s']:>10,.0f} tokens/s  (first step {r['first_step_s']:.1f} s, "
+                      f"warmup {r['warmup_s']:.1f} s)", flush=True)
     results = [median_round(rounds[name]) for name in names]
     add_comparisons(results)
     if rank == 0:
@@ -559,10 +799,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             with open(args.json, "w") as f:
                 json.dump({"setup": setup, "variants": results}, f, indent=1)
         if args.png:
-            plot(results, f"{setup['device']} x{world}, link {setup['link']}, GPT d={args.dim} L={args.layers} "
-                          f"T={args.seq}, {args.batch} seq/GPU ({setup['date']})", args.png)
+            plot(results, f"{setup['device']} x{world}, link {setup['link']}, {described} ({setup['date']})", args.png)
     dist.destroy_process_group()
     return results
+
+
+def _version(package: str) -> str | None:
+    """The installed version of an optional package, or None."""
+    if importlib.util.find_spec(package) is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Each entry can be switched off by name (Config.disable_passes, or `zeropp --disa
 
 from .base import GraphPass, PassContext
 from .bucket_collectives import bucket_collectives
+from .checkpoint_activations import checkpoint_activations
 from .hierarchical_partition import hierarchical_partition
 from .lower_collectives import lower_collectives
 from .quantize_gradients import quantize_gradients
@@ -18,6 +19,8 @@ PASSES: tuple[GraphPass, ...] = (
               wanted=lambda config: config.bucket_size != 0),
     GraphPass("reshard_after_forward", "joint", reshard_after_forward,
               wanted=lambda config: config.reshard_after_forward),
+    GraphPass("checkpoint_activations", "joint", checkpoint_activations,
+              wanted=lambda config: config.activation_checkpointing != "none"),
     GraphPass("hierarchical_partition", "joint", hierarchical_partition,
               wanted=lambda config: config.hpz_partition_size > 0),
     GraphPass("quantize_weights", "lowering", quantize_weights,

@@ -17,6 +17,9 @@ import torch.fx as fx
 # Node metadata set on a bucket of parameters smaller than one quantization block: the quantizing
 # passes leave it in full precision, as they leave each such parameter on its own.
 FULL_PRECISION = "zpp_full_precision"
+# Node metadata set on the copies of forward nodes that activation checkpointing makes for
+# backward: passes that treat backward's uses of a weight apart (hpZ) treat these uses alike.
+RECOMPUTED = "zpp_recomputed"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,12 +10,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .base import FULL_PRECISION, PassContext
-from .fx_util import hoist, insert_traced, nodes_calling, sink_users
+from .fx_util import hoist, insert_traced, layer_of, nodes_calling, sink_users
 from .quantize_gradients import gradient_block_size
 from .quantize_weights import weight_block_size
-
-
-_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argument: L['self']
 
 
 @dataclass
@@ -45,23 +41,12 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     """
     size = ctx.config.bucket_size
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
-    layer_of = lambda n: _layer_of(n, ctx.layers)  # noqa: E731
-    for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config), layer_of):
+    layer_of_node = lambda n: layer_of(n, ctx.layers)  # noqa: E731
+    for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config), layer_of_node):
         _merge_gathers(graph, bucket)
     reductions = nodes_calling(graph, torch.ops.zpp.reduce_grad.default)
-    for bucket in _buckets(reductions, size, lambda n: _reduce_key(n, ctx.config), layer_of):
+    for bucket in _buckets(reductions, size, lambda n: _reduce_key(n, ctx.config), layer_of_node):
         _merge_reductions(graph, bucket)
-
-
-def _layer_of(node: fx.Node, layers: tuple[str, ...]) -> str | None:
-    """The layer whose forward `node` belongs to (for a gradient reduction: whose forward it
-    differentiates), from the module stack Dynamo records; None outside every layer."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    if not layers or not stack:  # no layers to keep to (bucket_size in bytes): skip the parsing
-        return None
-    source = list(stack.values())[-1][0]  # e.g. "L['self'].blocks.0.attn"
-    path = "." + re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", _ROOT.sub("", source)).strip(".") + "."
-    return next((layer for layer in layers if layer and f".{layer}." in path), None)
 
 
 def _gather_key(node: fx.Node, config: Any) -> tuple:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -9,6 +10,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
+
+_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argument: L['self']
 
 
 def nodes_calling(graph: fx.Graph, op: Any) -> list[fx.Node]:
@@ -106,6 +109,17 @@ def weight_chain(gather: fx.Node) -> list[fx.Node]:
             if user.op == "call_function" and all(arg in chain or arg is node for arg in user.all_input_nodes)
         )
     return [n for n in gather.graph.nodes if n in chain]
+
+
+def layer_of(node: fx.Node, layers: tuple[str, ...]) -> str | None:
+    """The layer whose forward `node` belongs to (for a gradient reduction: whose forward it
+    differentiates), from the module stack Dynamo records; None outside every layer."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not layers or not stack:  # no layers to keep to (bucket_size in bytes): skip the parsing
+        return None
+    source = list(stack.values())[-1][0]  # e.g. "L['self'].blocks.0.attn"
+    path = "." + re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", _ROOT.sub("", source)).strip(".") + "."
+    return next((layer for layer in layers if layer and f".{layer}." in path), None)
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:

@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.ops import gather_secondary, quantize_and_gather, secondary_slice
-from .base import PassContext
+from .base import RECOMPUTED, PassContext
 from .fx_util import backward_nodes, insert_traced, nodes_calling, replace_with_traced, weight_chain
 from .quantize_weights import weight_block_size
 
@@ -27,7 +27,9 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
     members = config.hpz_partition_size
     member = topology.rank % members
     secondary = topology.secondary.name
-    needs_grad = backward_nodes(graph)
+    # Backward's uses of a weight: those of the gradient, and those of forward nodes that
+    # activation checkpointing recomputes in backward.
+    needs_grad = backward_nodes(graph) | {n for n in graph.nodes if n.meta.get(RECOMPUTED)}
     order = {node: index for index, node in enumerate(graph.nodes)}
     for gather in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
         chain = weight_chain(gather)

@@ -1,6 +1,7 @@
 """examples/bench.py: a CPU smoke run (2 gloo ranks as 2 emulated nodes of 1 rank, tiny GPT,
 debug compile) whose JSON must hold every variant, and whose communication bytes must match what
-the model's shapes imply; plus the exposed-communication interval arithmetic."""
+the model's shapes imply; a run of a small HF Llama with activation checkpointing; plus the
+exposed-communication interval arithmetic."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import (VARIANT_NAMES, exposed_and_peer_wait, exposed_communication, median_round, nccl_durations,  # noqa: E402
-                   transfer_only, transfer_times)
+from bench import (LLAMA_SHAPES, default_variants, exposed_and_peer_wait, exposed_communication,  # noqa: E402
+                   median_round, nccl_durations, parse_args, transfer_only, transfer_times)
 from gpt import GPT, GPTConfig  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
@@ -28,18 +29,21 @@ WORLD, DIM, LAYERS, HEADS, SEQ = 2, 64, 2, 2, 32
 BLOCK = 256  # zeropp's default weight_block_size
 
 
-@pytest.fixture(scope="module")
-def bench_json(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
+def run_bench(out: Path, *args: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(EXAMPLES / "bench.py"),
-           "--compile-mode", "debug", "--dim", str(DIM), "--layers", str(LAYERS), "--heads", str(HEADS),
-           "--seq", str(SEQ), "--batch", "2", "--steps", "2", "--warmup", "1", "--data-bytes", "200000",
-           "--json", str(out), "--png", str(out.with_suffix(".png"))]
+           "--compile-mode", "debug", "--seq", str(SEQ), "--batch", "2", "--steps", "2", "--warmup", "1",
+           "--json", str(out), "--png", str(out.with_suffix(".png")), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert out.with_suffix(".png").stat().st_size > 0
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory) -> dict:
+    return run_bench(tmp_path_factory.mktemp("bench") / "bench.json", "--dim", str(DIM), "--layers", str(LAYERS),
+                     "--heads", str(HEADS), "--data-bytes", "200000")
 
 
 def shard_sizes() -> list[int]:
@@ -58,13 +62,14 @@ def qwz_gather_bytes(s: int) -> int:
 
 def test_every_variant_ran(bench_json):
     results = {r["name"]: r for r in bench_json["variants"]}
-    graphs = bench_json["setup"]["device"] != "cpu"  # the CUDA-graph variants need GPUs
-    assert tuple(results) == tuple(n for n in VARIANT_NAMES if graphs or not n.endswith("_graphs"))
+    on_gpu = bench_json["setup"]["device"] != "cpu"  # the CUDA-graph and DeepSpeed variants need GPUs
+    assert tuple(results) == tuple(default_variants(on_gpu, cuda_graphs=on_gpu))
     for r in results.values():
         assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["ms_per_step"] > 0, r
+        assert 0 < r["first_step_s"] <= r["warmup_s"], r
         if bench_json["setup"]["device"] == "cpu":
             assert r["exposed_comm_fraction"] is None and r["peer_wait_fraction"] is None  # GPU-only figures
-            assert r["peak_memory_bytes"] is None
+            assert r["peak_memory_bytes"] is None and r["mfu"] is None
         else:
             assert 0 <= r["exposed_comm_fraction"] <= 1 and 0 <= r["peer_wait_fraction"] <= 1, r
             assert r["peak_memory_bytes"] > 0, r
@@ -119,6 +124,42 @@ def test_zeropp_ledger_matches_the_shapes(bench_json):
     assert abs(results["zero3"]["inter_ratio"] - 1) <= (2 + 2) * others / (6 * sum(sizes))
     for name in ("qwz", "hpz", "qgz"):
         assert results["all3"]["inter_ratio"] < results[name]["inter_ratio"] < results["zero3"]["inter_ratio"]
+
+
+@pytest.fixture(scope="module")
+def llama_json(tmp_path_factory) -> dict:
+    return run_bench(tmp_path_factory.mktemp("bench") / "llama.json", "--model", "llama-tiny",
+                     "--variants", "fsdp2,zero3", "--activation-checkpointing", "selective", "--peak-tflops", "1")
+
+
+def test_llama_runs_with_activation_checkpointing(llama_json):
+    transformers = pytest.importorskip("transformers")
+    shape = LLAMA_SHAPES["llama-tiny"]
+    setup = llama_json["setup"]
+    assert setup["model"]["name"] == "llama-tiny" and setup["activation_checkpointing"] == "selective"
+    assert setup["peak_tflops_per_gpu"] == 1.0
+    # The parameters HF counts for the same config (tied embeddings once), and the FLOPs per
+    # token they imply, 6 N + 12 L d T.
+    config = transformers.LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=shape.ffn,
+                                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                                      num_key_value_heads=shape.kv_heads, tie_word_embeddings=shape.tied)
+    with torch.device("meta"):
+        n_params = transformers.LlamaForCausalLM(config).num_parameters()
+    flops_per_token = 6 * n_params + 12 * shape.layers * shape.dim * SEQ
+    assert [r["name"] for r in llama_json["variants"]] == ["fsdp2", "zero3"]
+    for r in llama_json["variants"]:
+        assert r["parameters"] == n_params and r["first_step_s"] > 0, r
+        assert r["tflops_per_gpu"] == pytest.approx(flops_per_token * r["tokens_per_s"] / WORLD / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 1.0)
+
+
+def test_bad_model_options_are_clear_errors(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "llama-1b", "--dim", "64"])
+    assert "--dim and --heads shape the GPT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--warmup", "0"])
+    assert "--warmup 0" in capsys.readouterr().err
 
 
 def brute_force_exposed(kernels: list[tuple[str, int, int]]) -> int:

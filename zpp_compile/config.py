@@ -31,6 +31,7 @@ _DTYPE_NAMES = {
     "float": torch.float32,
 }
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 # Environment switches read at compile time (see `Config.with_environment`).
 DUMP_DIR_ENV = "ZEROPP_DUMP_DIR"
@@ -96,6 +97,10 @@ class Config:
     reduce_dtype: torch.dtype = torch.float32
     # Gathered weights are re-gathered in backward instead of being kept from forward.
     reshard_after_forward: bool = True
+    # Activations backward recomputes instead of forward keeping them, per layer (the same layers
+    # as bucketing): "none"; "full" (forward keeps each layer's input); "selective" (forward also
+    # keeps the outputs of matrix products and attention). Acts under the backend only.
+    activation_checkpointing: str = "none"
     # Scheduling: gathered bytes per communication bucket and how many buckets' gathers may be in
     # flight ahead of the compute that needs them, so at most (prefetch + 1) x bucket_size gathered
     # bytes are alive at once. "layer": one bucket per layer of the model (a block of its largest
@@ -146,6 +151,11 @@ class Config:
             raise ConfigError(f"Config.ranks_per_node={self.ranks_per_node!r} must be a positive integer or None")
         if self.bucket_size != "layer" and (not _is_int(self.bucket_size) or self.bucket_size < 0):
             raise ConfigError(f"Config.bucket_size={self.bucket_size!r} must be 'layer' or a number of bytes >= 0")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError(
+                f"Config.activation_checkpointing={self.activation_checkpointing!r} is not supported; "
+                f"use one of {list(ACTIVATION_CHECKPOINTING)}"
+            )
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise ConfigError(f"Config.prefetch={self.prefetch!r} must be an integer >= 0")
         if self.cuda_graphs and not self.inductor:
