@@ -39,8 +39,8 @@ Each variant is compared with FSDP2 at equal memory: zeropp without hpZ against 
 setting that reshards after forward, zeropp with hpZ against the best FSDP2 setting of all (no
 reshard keeps at least as much as hpZ does). --activation-checkpointing applies to every system:
 zeropp's Config.activation_checkpointing, torch.utils.checkpoint around every layer for FSDP2 and
-DeepSpeed ("selective": torch's selective checkpointing keeping matmul and attention outputs). A step is forward + backward + AdamW (fused on GPUs,
-as torchtitan runs it). With --rounds N every variant runs N times, the variants taking turns, and
+DeepSpeed ("selective": torch's selective checkpointing keeping matmul and attention outputs).
+A step is forward + backward + AdamW (fused on GPUs, as torchtitan runs it). With --rounds N every variant runs N times, the variants taking turns, and
 its median round is reported: a link whose speed drifts during a launch (the slow link does, by
 tens of percent) then weighs on every variant alike.
 
@@ -128,7 +128,8 @@ class Variant:
     system: str  # "fsdp2", "zeropp" or "deepspeed"
     keeps_weights: bool  # gathered weights (or an hpZ copy) live from forward to backward
     reduce_dtype: torch.dtype
-    zpp_options: dict[str, Any] = field(default_factory=dict)  # zeropp Config fields, or DeepSpeed's zero_optimization keys
+    # zeropp Config fields, or DeepSpeed's zero_optimization keys
+    zpp_options: dict[str, Any] = field(default_factory=dict)
 
 
 def all_variants(hpz_size: int, zpp_reduce: torch.dtype, ranks_per_node: int = 1) -> dict[str, Variant]:
@@ -552,7 +553,8 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         n_params = sum(p.numel() for p in model.parameters())  # tied parameters once
         shard_numel = padded_shard_numel(model, world)
         if variant.system == "fsdp2":
-            step_model, model = build_fsdp2(model, variant, env["mesh"], "aot_eager" if debug else "inductor", checkpointing)
+            backend = "aot_eager" if debug else "inductor"
+            step_model, model = build_fsdp2(model, variant, env["mesh"], backend, checkpointing)
         elif variant.system == "zeropp":
             step_model, model = build_zeropp(model, variant, ranks_per_node, debug, args.zpp_option, checkpointing)
         else:
@@ -752,8 +754,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.model != "gpt":
         shape = LLAMA_SHAPES[args.model]
         model_setup.update(kv_heads=shape.kv_heads, ffn=shape.ffn, tied_embeddings=shape.tied)
-    described = f"{args.model} d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq/GPU" + (
-        f", activation checkpointing {args.activation_checkpointing}" if args.activation_checkpointing != "none" else "")
+    described = f"{args.model} d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq/GPU"
+    if args.activation_checkpointing != "none":
+        described += f", activation checkpointing {args.activation_checkpointing}"
 
     slow = all(os.environ.get(k) == v for k, v in SLOW_LINK_ENV.items())
     setup = {
