@@ -27,13 +27,13 @@ _KEPT_BY_SELECTIVE = tuple(getattr(aten, name) for name in (
 
 
 def checkpoint_activations(graph: fx.Graph, ctx: PassContext) -> None:
-    """Backward reads recomputed copies of each layer's forward nodes, so forward keeps only what
-    the layers read from outside themselves (Config.activation_checkpointing).
+    """Backward reads recomputed copies of each layer's forward nodes (activation checkpointing).
 
     Layers are the ones bucketing keeps to (the children of the model's largest ModuleList or
     Sequential), told apart by the module stack Dynamo records on each forward node. For every
     layer, each forward node that backward reads, and every node of the layer it is computed
-    from, gets a copy placed before backward's first use, and backward's uses move to the copies:
+    from, gets a copy placed before backward's first use, and backward's uses move to the copies
+    (Config.activation_checkpointing):
     - "full" copies every node of the layer, so forward keeps the layer's input (the residual
       stream) and what the layer reads from outside it (rotary tables, masks);
     - "selective" copies all but matrix products and attention, whose outputs forward keeps
