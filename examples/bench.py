@@ -30,19 +30,20 @@ FSDP2 is `fully_shard` per block and on the root, bf16 parameters, each block co
 torchtitan does); zeropp is `zpp_compile.shard` with bf16 parameters and the whole step under
 `torch.compile(backend="zeropp")`. DeepSpeed runs eagerly, as its users run it, from a config
 written from its documented keys (stage 3, bf16, overlap_comm, contiguous_gradients, its
-"AdamW" optimizer, which it runs as its fused Adam in AdamW mode). zeropp reduces gradients in bf16 by default
-(`--zpp-reduce-dtype`), like FSDP2's bf16 settings and DeepSpeed's ZeRO-3. hpZ's secondary group
-is one emulated node (`--ranks-per-node`, default half the ranks: 2 GPUs are 2 nodes of 1 rank, so
-hpZ keeps a full copy, as "no reshard" does).
+"AdamW" optimizer, which it runs as its fused Adam in AdamW mode). zeropp reduces gradients in
+bf16 by default (`--zpp-reduce-dtype`), like FSDP2's bf16 settings and DeepSpeed's ZeRO-3. hpZ's
+secondary group is one emulated node (`--ranks-per-node`, default half the ranks: 2 GPUs are 2
+nodes of 1 rank, so hpZ keeps a full copy, as "no reshard" does).
 
 Each variant is compared with FSDP2 at equal memory: zeropp without hpZ against the best FSDP2
 setting that reshards after forward, zeropp with hpZ against the best FSDP2 setting of all (no
 reshard keeps at least as much as hpZ does). --activation-checkpointing applies to every system:
 zeropp's Config.activation_checkpointing, torch.utils.checkpoint around every layer for FSDP2 and
-DeepSpeed ("selective": torch's selective checkpointing keeping matmul and attention outputs). A step is forward + backward + AdamW (fused on GPUs,
-as torchtitan runs it). With --rounds N every variant runs N times, the variants taking turns, and
-its median round is reported: a link whose speed drifts during a launch (the slow link does, by
-tens of percent) then weighs on every variant alike.
+DeepSpeed ("selective": torch's selective checkpointing keeping matmul and attention outputs).
+A step is forward + backward + AdamW (fused on GPUs, as torchtitan runs it). With --rounds N
+every variant runs N times, the variants taking turns, and its median round is reported: a link
+whose speed drifts during a launch (the slow link does, by tens of percent) then weighs on every
+variant alike.
 
     tokens/s         all ranks' tokens per step / the slowest rank's step time
     TFLOP/s per GPU  (6 N + 12 L d T) x tokens/s / GPUs: N parameters, L layers, width d,
@@ -128,7 +129,8 @@ class Variant:
     system: str  # "fsdp2", "zeropp" or "deepspeed"
     keeps_weights: bool  # gathered weights (or an hpZ copy) live from forward to backward
     reduce_dtype: torch.dtype
-    zpp_options: dict[str, Any] = field(default_factory=dict)  # zeropp Config fields, or DeepSpeed's zero_optimization keys
+    # zeropp Config fields, or DeepSpeed's zero_optimization keys
+    zpp_options: dict[str, Any] = field(default_factory=dict)
 
 
 def all_variants(hpz_size: int, zpp_reduce: torch.dtype, ranks_per_node: int = 1) -> dict[str, Variant]:
@@ -552,7 +554,8 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         n_params = sum(p.numel() for p in model.parameters())  # tied parameters once
         shard_numel = padded_shard_numel(model, world)
         if variant.system == "fsdp2":
-            step_model, model = build_fsdp2(model, variant, env["mesh"], "aot_eager" if debug else "inductor", checkpointing)
+            backend = "aot_eager" if debug else "inductor"
+            step_model, model = build_fsdp2(model, variant, env["mesh"], backend, checkpointing)
         elif variant.system == "zeropp":
             step_model, model = build_zeropp(model, variant, ranks_per_node, debug, args.zpp_option, checkpointing)
         else:
@@ -752,8 +755,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.model != "gpt":
         shape = LLAMA_SHAPES[args.model]
         model_setup.update(kv_heads=shape.kv_heads, ffn=shape.ffn, tied_embeddings=shape.tied)
-    described = f"{args.model} d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq/GPU" + (
-        f", activation checkpointing {args.activation_checkpointing}" if args.activation_checkpointing != "none" else "")
+    described = f"{args.model} d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq/GPU"
+    if args.activation_checkpointing != "none":
+        described += f", activation checkpointing {args.activation_checkpointing}"
 
     slow = all(os.environ.get(k) == v for k, v in SLOW_LINK_ENV.items())
     setup = {

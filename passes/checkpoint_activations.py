@@ -27,13 +27,13 @@ _KEPT_BY_SELECTIVE = tuple(getattr(aten, name) for name in (
 
 
 def checkpoint_activations(graph: fx.Graph, ctx: PassContext) -> None:
-    """Backward reads recomputed copies of each layer's forward nodes, so forward keeps only what
-    the layers read from outside themselves (Config.activation_checkpointing).
+    """Backward reads recomputed copies of each layer's forward nodes (activation checkpointing).
 
     Layers are the ones bucketing keeps to (the children of the model's largest ModuleList or
     Sequential), told apart by the module stack Dynamo records on each forward node. For every
     layer, each forward node that backward reads, and every node of the layer it is computed
-    from, gets a copy placed before backward's first use, and backward's uses move to the copies:
+    from, gets a copy placed before backward's first use, and backward's uses move to the copies
+    (Config.activation_checkpointing):
     - "full" copies every node of the layer, so forward keeps the layer's input (the residual
       stream) and what the layer reads from outside it (rotary tables, masks);
     - "selective" copies all but matrix products and attention, whose outputs forward keeps
@@ -100,21 +100,25 @@ def _target(node: fx.Node) -> Any:
 
 def _copied(nodes: list[fx.Node], selective: bool) -> list[fx.Node]:
     """The nodes of a layer that backward recomputes, in graph order."""
-    copied: list[fx.Node] = []
+    copied: dict[fx.Node, None] = {}  # ordered
     for node in nodes:
         if node.target is operator.getitem:
             recompute = node.args[0] in copied  # an output of a multi-output op: with the op
         else:
             recompute = (
                 isinstance(node.target, torch._ops.OpOverload)
-                and not node.target._schema.is_mutable
+                and not _mutates(node)
                 and _holds_tensors(node)
                 and not _draws_random_numbers(node)
                 and not (selective and _target(node) in _KEPT_BY_SELECTIVE)
             )
         if recompute:
-            copied.append(node)
-    return copied
+            copied[node] = None
+    return list(copied)
+
+
+def _mutates(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
 def _holds_tensors(node: fx.Node) -> bool:
@@ -143,7 +147,9 @@ def _recompute_in_backward(graph: fx.Graph, copied: list[fx.Node], forward: set[
     placed before the first of their uses that depends on an incoming gradient; every use outside
     forward moves to the copies. `made` holds the nodes this pass added for earlier layers, and
     gets this layer's."""
-    in_backward = lambda user: user.op != "output" and user not in forward and user not in made  # noqa: E731
+    def in_backward(user: fx.Node) -> bool:  # a use outside forward (mutations of inputs stay in forward)
+        return user.op != "output" and user not in forward and user not in made and not _mutates(user)
+
     region = set(copied)
     needed: set[fx.Node] = set()
     todo = [n for n in copied if any(in_backward(u) for u in n.users)]
