@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 from typing import Any, Callable
 
 import torch
@@ -63,8 +64,10 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
 
 def _trace_key(fn: Callable[..., Any], args: tuple, values: list[torch.Tensor]) -> tuple | None:
     """What decides `fn`'s trace: the function, the constants, and the tensors' shapes, strides
-    and dtypes. None (trace afresh) for closures, which hide constants, and symbolic shapes."""
-    if getattr(fn, "__closure__", None) is not None:
+    and dtypes. None (trace afresh) for closures and bound methods, which hide state, and for
+    symbolic shapes."""
+    plain_function = isinstance(fn, types.FunctionType) and fn.__closure__ is None
+    if not (plain_function or isinstance(fn, torch._ops.OpOverload)):
         return None
     metas = [(tuple(v.shape), tuple(v.stride()), v.dtype, v.device, v.requires_grad) for v in values]
     if any(not isinstance(d, int) for shape, stride, *_ in metas for d in (*shape, *stride)):
