@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--steps", type=int, default=3, help="steps timed after the first")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (reduction in fp32)")
+    p.add_argument("--peak-tflops", type=float, default=989.0 if torch.cuda.is_available() else None,
+                   help="the GPU's dense bf16 peak, for MFU (H100 / H200: 989)")
     p.add_argument("--profile", help="folder for cProfile output of rank 0's first step")
     p.add_argument("--json", help="write every launch's numbers here")
     p.add_argument("--keep-cache", action="store_true", help="keep the Inductor cache folders (printed)")
@@ -165,17 +168,29 @@ def worker(args: argparse.Namespace) -> None:
         step()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    step_s = statistics.median(times) if times else None
+    tflops = flops_per_step(model.config, args.batch, args.seq) / step_s / 1e12 if step_s else None
     firsts = [None] * dist.get_world_size()
     dist.all_gather_object(firsts, first)
     if rank == 0:
         result = {"variant": args.variant, "layers": layers, "launch": args.launch, "first_step_s": max(firsts),
                   "first_step_cpu_s": first_cpu,
-                  "ms_per_step": 1e3 * statistics.median(times) if times else None, "peak_gib": peak,
+                  "ms_per_step": 1e3 * step_s if step_s else None, "peak_gib": peak, "tflops": tflops,
+                  "mfu": tflops / args.peak_tflops if tflops and args.peak_tflops else None,
                   "compile_times": compile_seconds()}
         Path(args.out).write_text(json.dumps(result))
         if profiler:
             write_profile(profiler, Path(args.profile) / f"{args.variant}-{layers}-{args.launch}")
     dist.destroy_process_group()
+
+
+def flops_per_step(config: Any, batch: int, seq: int) -> float:
+    """Training FLOPs of one rank's step: (6 N + 12 L d T) per token, PaLM's formula (N parameters
+    with the tied embedding once, L layers, d width, T sequence; the causal half not subtracted)."""
+    d, layers, kv_dim = config.hidden_size, config.num_hidden_layers, config.num_key_value_heads * config.head_dim
+    per_layer = d * (2 * d + 2 * kv_dim) + 3 * d * config.intermediate_size + 2 * d
+    params = layers * per_layer + config.vocab_size * d + d
+    return (6 * params + 12 * layers * d * seq) * batch * seq
 
 
 def cpu_seconds() -> float:
@@ -227,6 +242,7 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
                __file__, "--worker", "--variant", variant, "--launch", name, "--out", str(out),
                "--layers", str(layers), "--shape", args.shape, "--seq", str(args.seq), "--batch", str(args.batch),
                "--steps", str(args.steps), "--dtype", args.dtype]
+    command += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []
     command += ["--hidden", str(args.hidden)] if args.hidden else []
     command += ["--profile", args.profile] if args.profile else []
     start = time.perf_counter()
@@ -239,13 +255,14 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
 def table(results: list[dict]) -> str:
     width = {c: max(len(c), 6) for c in COLUMNS}
     lines = [f"{'variant':<7} {'layers':>6} {'launch':<6} {'first step s':>12} {'cpu s':>7} {'ms/step':>8} "
-             f"{'peak GiB':>8}  " + " ".join(f"{c:>{width[c]}}" for c in COLUMNS)]
+             f"{'peak GiB':>8} {'MFU':>5}  " + " ".join(f"{c:>{width[c]}}" for c in COLUMNS)]
     for r in results:
         p = phases(r["first_step_s"], r["compile_times"])
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         lines.append(f"{r['variant']:<7} {r['layers']:>6} {r['launch']:<6} {r['first_step_s']:>12.1f} "
-                     f"{r['first_step_cpu_s']:>7.1f} "
-                     f"{r['ms_per_step']:>8.1f} {peak:>8}  " + " ".join(f"{p[c]:>{width[c]}.1f}" for c in COLUMNS))
+                     f"{r['first_step_cpu_s']:>7.1f} {r['ms_per_step']:>8.1f} {peak:>8} {mfu:>5}  "
+                     + " ".join(f"{p[c]:>{width[c]}.1f}" for c in COLUMNS))
     for r in results:
         p = phases(r["first_step_s"], r["compile_times"])
         if any(k.startswith("pass ") for k in p):
