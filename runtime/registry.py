@@ -3,7 +3,8 @@
 It remembers what outlives a single call: the process groups built for each topology (creating
 them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
 what settings, the module classes that gather their parameters, and the collectives each compiled
-graph issues (the communication ledger), and the thread that watches Config.cuda_graphs' calls.
+graph issues (the communication ledger), the collective schedules every rank has compiled
+(runtime.agreement), and the thread that watches Config.cuda_graphs' calls.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Registry:
     ledger: list[GraphComm] = field(default_factory=list)  # in compile order
     graph_ids: itertools.count = field(default_factory=itertools.count)
     cuda_graph_watch: Any = None  # runtime.cuda_graphs.CallWatch, made by the first graphed compilation
+    agreed_schedules: set[tuple[frozenset[int], str]] = field(default_factory=set)  # (sharding ids, digest)
 
     def add_state(self, state: ShardingState) -> int:
         """Registers the state of one `shard` call; returns its sharding id."""

@@ -5,6 +5,7 @@
 """
 
 from .config import Config, ConfigError
+from .runtime.agreement import RankMismatchError
 from .runtime.cuda_graphs import release_cuda_graphs
 from .runtime.ledger import CommReport
 from .runtime.registry import REGISTRY
@@ -33,5 +34,5 @@ def comm_report() -> CommReport:
 __all__ = [
     "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
     "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
-    "release_cuda_graphs",
+    "release_cuda_graphs", "RankMismatchError",
 ]
