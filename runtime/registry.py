@@ -3,8 +3,8 @@
 It remembers what outlives a single call: the process groups built for each topology (creating
 them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
 what settings, the module classes that gather their parameters, and the collectives each compiled
-graph issues (the communication ledger), the collective schedules every rank has compiled
-(runtime.agreement), and the thread that watches Config.cuda_graphs' calls.
+graph issues (the communication ledger), the parameter gathers of compiled graphs that every rank
+agreed on (runtime.agreement), and the thread that watches Config.cuda_graphs' calls.
 """
 
 from __future__ import annotations
