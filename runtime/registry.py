@@ -3,8 +3,9 @@
 It remembers what outlives a single call: the process groups built for each topology (creating
 them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
 what settings, the module classes that gather their parameters, and the collectives each compiled
-graph issues (the communication ledger), the thread that watches Config.cuda_graphs' calls, and
-the passes' traced helper functions (reused by every identical layer).
+graph issues (the communication ledger), the parameter gathers of compiled graphs that every rank
+agreed on (runtime.agreement), the thread that watches Config.cuda_graphs' calls, and the passes'
+traced helper functions (reused by every identical layer).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Registry:
     graph_ids: itertools.count = field(default_factory=itertools.count)
     cuda_graph_watch: Any = None  # runtime.cuda_graphs.CallWatch, made by the first graphed compilation
     traces: dict[tuple, Any] = field(default_factory=dict)  # passes.fx_util.insert_traced's traces, by call
+    agreed_schedules: set[tuple[frozenset[int], str]] = field(default_factory=set)  # (sharding ids, digest)
 
     def add_state(self, state: ShardingState) -> int:
         """Registers the state of one `shard` call; returns its sharding id."""

@@ -6,13 +6,14 @@ Groups, each created with the configured timeout so a dead peer raises instead o
 - world: all ranks (parameter gathers, plain gradient reduce-scatter);
 - intra_node: the ranks of this rank's node (qgZ's first hop);
 - inter_node: the ranks with this rank's local index on every node (qgZ's second hop);
-- secondary: hpZ's group of `hpz_partition_size` consecutive ranks, when hpZ is on.
+- secondary: hpZ's group of `hpz_partition_size` consecutive ranks, when hpZ is on;
+- agreement: all ranks again, over gloo, for the checks that ranks run the same collectives.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -43,6 +44,9 @@ class Topology:
     inter_node: Group
     secondary: Group | None
     mesh: DeviceMesh  # 1-D mesh over `world`, for the DTensor shards
+    # A gloo group of all ranks that carries only runtime.agreement's checks, never the model's
+    # collectives (None in a Topology made by hand, for a graph that is never compiled).
+    agreement: dist.ProcessGroup | None = field(default=None, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -89,10 +93,12 @@ def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: floa
         size = hpz_partition_size
         secondary, _ = my_group([list(range(k * size, (k + 1) * size)) for k in range(world_size // size)])
 
+    agreement = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
+
     backend = dist.get_backend()
     if backend == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
     mesh = DeviceMesh.from_group(world_pg, device.type)
-    return Topology(rank, world_size, ranks_per_node, device, world, intra, inter, secondary, mesh)
+    return Topology(rank, world_size, ranks_per_node, device, world, intra, inter, secondary, mesh, agreement)

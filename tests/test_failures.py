@@ -1,5 +1,5 @@
-"""Failure behaviour: dead and hanging ranks, configs that differ across ranks, non-finite
-gradients under qgZ, out of memory while compiling, and wrong arguments to the public API."""
+"""Failure behaviour: dead and hanging ranks, configs and collectives that differ across ranks,
+non-finite gradients under qgZ, out of memory while compiling, and wrong arguments to the public API."""
 
 from __future__ import annotations
 
@@ -124,6 +124,77 @@ def mismatch_and_nonfinite(rank: int, world_size: int) -> None:
 
 def test_mismatched_config_and_nonfinite_gradients():
     run_ranks(mismatch_and_nonfinite, 2)
+
+
+class RankBranch(nn.Module):
+    """Rank 0 applies one more layer than the others: its compiled graph gathers one more weight."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.first, self.extra = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        return (self.extra(x) if self.rank == 0 else x).square().mean()
+
+
+def different_collectives(rank: int, world_size: int) -> int:
+    """Ranks about to run different collectives raise, naming what differs, instead of aborting
+    in gloo; a rank that recompiles alone, with collectives the others have, goes ahead."""
+    config = zpp.Config(collective_timeout_s=60.0)  # ranks may finish compiling far apart on a busy machine
+    compile_ = lambda model: torch.compile(model, backend="zeropp", options={"inductor": False})  # noqa: E731
+    x = torch.randn(4, 16, device=device())
+
+    # Rank 0 alone sees a new batch size and recompiles (graph and schedule checked once already).
+    trained = zpp.shard(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).to(device()), config)
+    step = compile_(trained)
+    step(x).sum().backward()
+    forward_graphs = len([g for g in zpp.REGISTRY.ledger if g.kind == "forward"])
+    step(x[: 3 if rank == 0 else 4]).sum().backward()
+    recompiled = len([g for g in zpp.REGISTRY.ledger if g.kind == "forward"]) - forward_graphs
+
+    # A branch only rank 0 takes: rank 0's graph gathers one more layer. Both ranks raise at compile.
+    with pytest.raises(Exception) as error:
+        compile_(zpp.shard(RankBranch(rank).to(device()), config))(x).backward()
+    message = str(error.value)
+    assert "RankMismatchError: zeropp: the ranks are about to issue different collectives" in message, message
+    assert re.search(r"rank 0 compiled graph g\d+ \(4 parameter gathers\); rank 1 compiled graph g\d+ \(2 parameter "
+                     r"gathers\)\. First difference: rank 0 l_self_modules_extra_parameters_weight_: float32 gather "
+                     r"of 128 elements per rank over the world group \(2 ranks\), gradient reduced in float32; rank 1 "
+                     r"nothing", message), message
+    assert f"(This is rank {rank}.)" in message and "if dist.get_rank() == 0:" in message
+
+    # Rank 0 evaluates (no gradients, so no reductions in backward) while rank 1 trains.
+    step = compile_(zpp.shard(nn.Linear(16, 16).to(device()), config))
+    with pytest.raises(Exception, match=r"First difference: rank 0 l_fn_parameters_weight_: float32 gather of 128 "
+                                        r"elements per rank over the world group \(2 ranks\), no gradient; rank 1 "
+                                        r"l_fn_parameters_weight_: .*, gradient reduced in float32"):
+        with torch.set_grad_enabled(rank == 1):
+            step(x).sum()
+
+    # Rank 0 consolidates the weights while rank 1 compiles a step: both raise at once.
+    model = zpp.shard(nn.Linear(16, 16).to(device()), config)
+    with pytest.raises(Exception, match=r"rank 0 called zpp.full_state_dict; rank 1 compiled graph g\d+ "):
+        zpp.full_state_dict(model) if rank == 0 else compile_(model)(x)
+
+    if BACKEND != "nccl":  # NCCL's watchdog aborts a rank whose collective times out
+        # Rank 0 consolidates while rank 1 trains on: each raises within the timeout.
+        model = zpp.shard(nn.Linear(16, 16).to(device()), zpp.Config(collective_timeout_s=TIMEOUT_S))
+        start = time.monotonic()
+        if rank == 0:
+            with pytest.raises(zpp.RankMismatchError, match=r"rank 0 \(called zpp.full_state_dict\) waited in vain "
+                                                            r"for the others: they are running other collectives"):
+                zpp.full_state_dict(model)
+        else:
+            with pytest.raises(RuntimeError, match="zeropp collective zpp::all_gather_param"):
+                model(x).sum().backward()
+        assert time.monotonic() - start < TIMEOUT_S + 10
+    return recompiled
+
+
+def test_ranks_about_to_run_different_collectives_raise_instead_of_aborting():
+    assert run_ranks(different_collectives, 2, timeout_s=300) == [1, 0]
 
 
 def out_of_memory_in_compile(rank: int, world_size: int) -> None:

@@ -5,6 +5,7 @@
 """
 
 from .config import Config, ConfigError
+from .runtime.agreement import RankMismatchError
 from .runtime.cuda_graphs import release_cuda_graphs
 from .runtime.ledger import CommReport
 from .runtime.registry import REGISTRY
@@ -36,4 +37,5 @@ __all__ = [
     "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
     "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
     "release_cuda_graphs", "save_checkpoint", "load_checkpoint", "CheckpointError", "load_full_state_dict",
+    "RankMismatchError",
 ]

@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .compile_cache import PassCache
 from .config import Config
 from .pass_manager import PassManager
+from .runtime.agreement import check_same_gathers
 from .runtime.cuda_graphs import graphed_inner_compile
 from .runtime.registry import REGISTRY, ShardingState
 
@@ -47,6 +48,7 @@ def zeropp_backend(
     layers = state.layers if config.bucket_size == "layer" else ()
     config = config.with_layer_size(state.layer_nbytes)
     manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers)
+    check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)
     cache = PassCache.open(manager, gm, example_inputs, dict(config.inductor_options))

@@ -26,6 +26,7 @@ from .config import Config, ConfigError
 from .grad_sync import gathered_weight
 from .initialization import MetaInit, accept_full_tensors, broadcast_buffers, children_first
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
+from .runtime.agreement import check_same_call
 from .runtime.registry import REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
 
@@ -112,12 +113,14 @@ def shard(
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded parameters and buffers under their original names and shapes.
 
-    A collective (it all-gathers every parameter): call it on every rank.
+    A collective (it all-gathers every parameter): call it on every rank. Every rank first checks
+    that the others are calling it too, and raises RankMismatchError if not.
     """
     if not isinstance(model, nn.Module) or model not in REGISTRY.models:
         raise ValueError(
             f"full_state_dict needs a model sharded by zpp_compile.shard, got {type(model).__name__}"
         )
+    check_same_call(REGISTRY.models[model].topology, "zpp.full_state_dict")
     shapes = {
         f"{prefix}.{name}" if prefix else name: layout.shape
         for prefix, module in model.named_modules(remove_duplicate=False)

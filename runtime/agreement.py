@@ -1,0 +1,152 @@
+"""Ranks about to issue different collectives, stopped with an error that says where.
+
+Collectives must come in the same order, with the same shapes, on every rank. When they do not (a
+branch that only one rank takes, one rank calling `full_state_dict` while another trains), gloo
+aborts the process and NCCL hangs or mixes up data, neither naming the cause. Two checks come
+first, each over a gloo group of its own (`Topology.agreement`), so that a rank busy elsewhere can
+only make them time out, never pair with one of the model's collectives:
+
+- each graph Dynamo hands the backend is compared across ranks before it is compiled: the
+  parameters it gathers, in order, with each gather's size, dtypes and group, whether it needs the
+  gradient (so backward reduces it), and the compile options that differ from the model's. Once per
+  compilation, nothing per step, and the same with Inductor's caches warm or cold (they serve the
+  compiled graph, never Dynamo's). A graph this rank has compared before for the same sharded model
+  passes at once: a rank that recompiles on its own (for a new input shape, say) does not wait for
+  ranks that are not compiling;
+- `full_state_dict`, a collective call, checks at every call that every rank is making it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from .registry import REGISTRY, ShardingState
+from .topology import Topology
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks are about to issue different collectives (or some never arrived); the message says
+    what each rank was doing and where their collectives first differ."""
+
+
+def check_same_gathers(gm: fx.GraphModule, state: ShardingState, config: Any, graph_name: str) -> None:
+    """Raises RankMismatchError on every rank if the ranks are compiling Dynamo graphs that would
+    issue different collectives (see `gather_schedule`), `config` being this compilation's Config
+    and `state` the sharded model's; a schedule this rank has compared before for the same sharded
+    model passes at once."""
+    topology = state.topology
+    sharded = state.config.with_layer_size(state.layer_nbytes).to_dict()
+    options = {k: v for k, v in config.to_dict().items() if v != sharded[k] and k != "dump_dir"}
+    schedule, sharding_ids = gather_schedule(gm, topology, options)
+    digest = hashlib.sha256("\n".join(schedule).encode()).hexdigest()
+    if topology.world_size == 1 or (sharding_ids, digest) in REGISTRY.agreed_schedules:
+        return
+    gathers = len(schedule) - bool(options)
+    _agree(topology, f"compiled graph {graph_name} ({gathers} parameter gather{'s' * (gathers != 1)})",
+           digest, schedule)
+    REGISTRY.agreed_schedules.add((sharding_ids, digest))
+
+
+def gather_schedule(
+    gm: fx.GraphModule, topology: Topology, options: Mapping[str, Any]
+) -> tuple[tuple[str, ...], frozenset[int]]:
+    """What decides a Dynamo graph's collectives, in words equal across ranks exactly when the
+    collectives match: `options` (compile options that differ from the sharded model's Config),
+    then each parameter gather in order (groups by role: their names differ between nodes); and
+    the sharding ids of the models gathered from."""
+    roles = {topology.world.name: "world", topology.intra_node.name: "intra-node",
+             topology.inter_node.name: "inter-node"}
+    if topology.secondary is not None:
+        roles[topology.secondary.name] = "hpZ secondary"
+    schedule = [f"compile options {dict(sorted(options.items()))}"] if options else []
+    sharding_ids = set()
+    gather = torch.ops.zpp.all_gather_param
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (gather, gather.default):
+            shard, shard_size, group_size, group_name, dtype, reduce_dtype, sharding_id = node.args
+            value = shard.meta.get("example_value")
+            reduced = torch.is_grad_enabled() and value is not None and value.requires_grad
+            gradient = f", gradient reduced in {_name(reduce_dtype)}" if reduced else ", no gradient"
+            schedule.append(f"{_parameter(shard)}: {_name(dtype)} gather of {shard_size} elements per rank over the "
+                            f"{roles.get(str(group_name), 'other')} group ({group_size} ranks){gradient}")
+            sharding_ids.add(sharding_id)
+    return tuple(schedule), frozenset(sharding_ids)
+
+
+def check_same_call(topology: Topology, call: str) -> None:
+    """Raises RankMismatchError unless every rank is making the collective call `call` now."""
+    if topology.world_size > 1:
+        _agree(topology, f"called {call}", hashlib.sha256(call.encode()).hexdigest(), (call,))
+
+
+def _agree(topology: Topology, doing: str, digest: str, schedule: tuple[str, ...]) -> None:
+    """Compares `digest` (of `schedule`) across ranks; on a difference every rank raises, with
+    what each rank is `doing` and where the schedules part in the message."""
+    everyone = _all_gather(topology, (doing, digest), doing)
+    if any(theirs != digest for _, theirs in everyone):
+        # Every rank got the same list, so every rank is here: the schedules follow, for the message.
+        schedules = _all_gather(topology, schedule, doing)
+        raise RankMismatchError(_mismatch(topology.rank, everyone, schedules))
+
+
+def _all_gather(topology: Topology, value: Any, doing: str) -> list[Any]:
+    """Every rank's `value`, exchanged in a thread of its own, outside the compiling thread's
+    dispatch state: under a fake tensor mode or the Python dispatcher (which compilation may have
+    on) a gloo collective waits for gloo's worker thread while holding the GIL, which the worker
+    may need to free the previous collective's tensors (a deadlock)."""
+    def exchange() -> list[Any]:
+        gathered: list[Any] = [None] * topology.world_size
+        dist.all_gather_object(gathered, value, group=topology.agreement)
+        return gathered
+
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-agreement") as pool:
+            return pool.submit(exchange).result()
+    except RuntimeError as error:  # the group's timeout (Config.collective_timeout_s), or a peer gone
+        raise RankMismatchError(
+            f"zeropp compares the collectives of what each rank does next across ranks, and rank "
+            f"{topology.rank} ({doing}) waited in vain for the others: they are running other collectives "
+            "(a graph compiled on some ranks only, or zpp.full_state_dict called on some ranks only), hung past "
+            f"Config.collective_timeout_s, or died. Backend error: {error}"
+        ) from error
+
+
+def _mismatch(rank: int, everyone: list[tuple[str, str]], schedules: list[tuple[str, ...]]) -> str:
+    """What each group of ranks was doing, and where the first differing group's schedule parts
+    from rank 0's."""
+    groups: dict[str, list[int]] = {}
+    for r, (_, digest) in enumerate(everyone):
+        groups.setdefault(digest, []).append(r)
+    ranks = list(groups.values())
+    doing = "; ".join(f"{_ranks(g)} {everyone[g[0]][0]}" for g in ranks[:4])
+    first, other = schedules[ranks[0][0]], schedules[ranks[1][0]]
+    index = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
+    at = lambda schedule: schedule[index] if index < len(schedule) else "nothing (its schedule ends)"  # noqa: E731
+    return (
+        f"zeropp: the ranks are about to issue different collectives, which would hang or abort the backend: "
+        f"{doing}. First difference: {_ranks(ranks[0])} {at(first)}; {_ranks(ranks[1])} {at(other)}. "
+        "Every rank must gather the same parameters in the same order and make the same collective calls: look "
+        "for a branch that depends on the rank or on data only some ranks see (e.g. `if dist.get_rank() == 0:` "
+        f"around a layer), and call zpp.full_state_dict on every rank. (This is rank {rank}.)"
+    )
+
+
+def _parameter(node: fx.Node) -> str:
+    """The graph input a gathered shard comes from (Dynamo names it after the parameter)."""
+    while node.op not in ("placeholder", "get_attr") and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node.name
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''}"
