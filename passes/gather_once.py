@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from .base import READ_REPEATEDLY, PassContext
-from .fx_util import descendants, gathered_param, insert_traced, nodes_calling, replace_with_traced
+from .fx_util import descendants, gathered_param, nodes_calling, replace_with_traced
 
 
 def gather_once(graph: fx.Graph, ctx: PassContext) -> None:
@@ -55,21 +55,25 @@ def _reduce_sum_once(graph: fx.Graph, reductions: list[fx.Node]) -> None:
     gradient exists); the others' results become zeros."""
     *earlier, last = reductions
     _, shard_numel, group_size, group_name, dtype = last.args
-
-    def reduce_sum(*grads: torch.Tensor) -> torch.Tensor:
-        total = grads[0].to(dtype)
-        for grad in grads[1:]:
-            total = total + grad.to(dtype)
-        return torch.ops.zpp.reduce_grad(total, shard_numel, group_size, group_name, dtype)
-
     module_stack = {k: last.meta[k] for k in ("nn_module_stack", "fwd_nn_module_stack") if k in last.meta}
-    merged = replace_with_traced(graph, last, reduce_sum, *(r.args[0] for r in reductions))
+    merged = replace_with_traced(graph, last, _reduce_sum, shard_numel, group_size, group_name, dtype,
+                                 *(r.args[0] for r in reductions))
     merged.meta.update(module_stack)  # bucketing keeps reductions to the layer they differentiate
     for reduction in earlier:
-        zeros = insert_traced(graph, reduction, lambda grad: grad.new_zeros(shard_numel, dtype=dtype),
-                              reduction.args[0])
-        reduction.replace_all_uses_with(zeros)
-        graph.erase_node(reduction)
+        replace_with_traced(graph, reduction, _zeros, shard_numel, dtype, reduction.args[0])
+
+
+def _reduce_sum(shard_numel: int, group_size: int, group_name: str, dtype: torch.dtype,
+                *grads: torch.Tensor) -> torch.Tensor:
+    total = grads[0].to(dtype)
+    for grad in grads[1:]:
+        total = total + grad.to(dtype)
+    return torch.ops.zpp.reduce_grad(total, shard_numel, group_size, group_name, dtype)
+
+
+def _zeros(shard_numel: int, dtype: torch.dtype, grad: torch.Tensor) -> torch.Tensor:
+    """What a reduction's result becomes once another reduces its gradient: nothing to add."""
+    return grad.new_zeros(shard_numel, dtype=dtype)
 
 
 def _erase_with_unused_inputs(graph: fx.Graph, node: fx.Node) -> None:
