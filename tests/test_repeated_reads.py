@@ -77,10 +77,11 @@ def assert_same_gradients(got: list[dict], expected: list[dict]) -> None:
 
 
 def compiled(model: nn.Module, mode: str):
+    """`model` itself ("eager"), or compiled without Inductor ("aot")."""
     torch._dynamo.reset()
     if mode == "eager":
         return model
-    return torch.compile(model, backend="zeropp", options={"inductor": mode == "inductor"})
+    return torch.compile(model, backend="zeropp", options={"inductor": False})
 
 
 def applied_twice_run(rank: int, world_size: int) -> None:
@@ -180,8 +181,8 @@ def gather_once_run(rank: int, world_size: int) -> dict:
             torch.testing.assert_close(shards[name].grad.full_tensor(), param.grad, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{disabled}, {name}: {m}")
         rows = zpp.comm_report().rows
-        phases[disabled] = {phase: (sum(r.phase == phase for r in rows), sum(r.intra_bytes for r in rows if r.phase == phase))
-                            for phase in PHASES}
+        phases[disabled] = {phase: (sum(r.phase == phase for r in rows),
+                                    sum(r.intra_bytes for r in rows if r.phase == phase)) for phase in PHASES}
     return phases
 
 
@@ -194,4 +195,5 @@ def test_each_parameter_is_gathered_and_reduced_once():
     assert merged["backward weight gather"][1] <= once, (merged, once)
     # The check can fail: without the pass, the tied weight is gathered in two buckets, and every
     # read's gradient is reduced on its own.
-    assert separate["forward weight gather"][1] > once and separate["gradient reduction"][1] > once, (separate, once)
+    assert separate["forward weight gather"][1] > once, (separate, once)
+    assert separate["gradient reduction"][1] > once, (separate, once)
