@@ -7,6 +7,7 @@ Each entry can be switched off by name (Config.disable_passes, or `zeropp --disa
 from .base import GraphPass, PassContext
 from .bucket_collectives import bucket_collectives
 from .checkpoint_activations import checkpoint_activations
+from .gather_once import gather_once
 from .hierarchical_partition import hierarchical_partition
 from .lower_collectives import lower_collectives
 from .quantize_gradients import quantize_gradients
@@ -15,6 +16,7 @@ from .reshard_after_forward import reshard_after_forward
 from .schedule_overlap import schedule_overlap
 
 PASSES: tuple[GraphPass, ...] = (
+    GraphPass("gather_once", "joint", gather_once),
     GraphPass("bucket_collectives", "joint", bucket_collectives,
               wanted=lambda config: config.bucket_size != 0),
     GraphPass("reshard_after_forward", "joint", reshard_after_forward,

@@ -14,6 +14,9 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+# Node metadata set on the gather of a parameter read in several places (gather_once): its weight
+# is held from the first read to the last, so bucketing keeps it apart from weights read once.
+READ_REPEATEDLY = "zpp_read_repeatedly"
 # Node metadata set on a bucket of parameters smaller than one quantization block: the quantizing
 # passes leave it in full precision, as they leave each such parameter on its own.
 FULL_PRECISION = "zpp_full_precision"

@@ -9,8 +9,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .base import FULL_PRECISION, PassContext
-from .fx_util import hoist, insert_traced, layer_of, nodes_calling, sink_users
+from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext
+from .fx_util import gathered_param, hoist, insert_traced, layer_of, nodes_calling, sink_users
 from .quantize_gradients import gradient_block_size
 from .quantize_weights import weight_block_size
 
@@ -50,23 +50,17 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
 
 
 def _gather_key(node: fx.Node, config: Any) -> tuple:
-    """What members of one bucket share; the last item is the qwZ block size (0: unquantized)."""
+    """What members of one bucket share; the last item is the qwZ block size (0: unquantized).
+    A weight held across several reads (gather_once) shares a bucket only with such weights."""
     shard, _, group_size, group_name, dtype, reduce_dtype, sharding_id = node.args
     return (shard.meta["val"].dtype, group_size, group_name, dtype, reduce_dtype, sharding_id,
-            weight_block_size(config, node))
+            node.meta.get(READ_REPEATEDLY, False), weight_block_size(config, node))
 
 
 def _reduce_key(node: fx.Node, config: Any) -> tuple:
     """What members of one bucket share; the last item is the qgZ block size (0: unquantized)."""
     grad, _, group_size, group_name, dtype = node.args
     return (grad.meta["val"].dtype, group_size, group_name, dtype, gradient_block_size(config, node))
-
-
-def _graph_input(node: fx.Node) -> fx.Node:
-    """The node that `node` is a chain of single-input ops of (for a shard: its placeholder)."""
-    while node.op == "call_function" and len(node.all_input_nodes) == 1:
-        node = node.all_input_nodes[0]
-    return node
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -107,11 +101,10 @@ def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
     *_, block = bucket.key
     first = bucket.members[0]
     _, _, group_size, group_name, dtype, reduce_dtype, sharding_id = first.args
-    # A parameter used twice in the bucket (tied weights) is gathered once. Each gather reads its
-    # own flat view of the local shard, so they are told apart by the graph input behind it.
+    # A parameter used twice in the bucket (tied weights, with gather_once switched off) is gathered once.
     first_use: dict[tuple, fx.Node] = {}
     for node in bucket.members:
-        first_use.setdefault(_param_key(node), node)
+        first_use.setdefault(gathered_param(node), node)
     unique = list(first_use.values())
     sizes = tuple(n.args[1] for n in unique)
     segments = tuple(_padded(s, block) for s in sizes)
@@ -120,8 +113,8 @@ def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
     weights = insert_traced(graph, first, _gather_bucket, sizes, segments, group_size, group_name, dtype,
                             reduce_dtype, sharding_id, *shards)
     _upstream(weights[0], torch.ops.zpp.all_gather_param.default).meta[FULL_PRECISION] = not block
-    weight_of = {_param_key(n): w for n, w in zip(unique, weights)}
-    _replace(graph, bucket.members, tuple(weight_of[_param_key(n)] for n in bucket.members))
+    weight_of = {gathered_param(n): w for n, w in zip(unique, weights)}
+    _replace(graph, bucket.members, tuple(weight_of[gathered_param(n)] for n in bucket.members))
 
 
 def _gather_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], group_size: int, group_name: str,
@@ -135,9 +128,6 @@ def _gather_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], group_size
     rows = gathered.view(group_size, sum(segments))
     return tuple(piece[:, :size].reshape(-1) for piece, size in zip(rows.split(segments, dim=1), sizes))
 
-
-def _param_key(gather: fx.Node) -> tuple:
-    return (_graph_input(gather.args[0]), *gather.args[1:])
 
 
 def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:

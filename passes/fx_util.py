@@ -97,6 +97,20 @@ def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.
     return result
 
 
+def graph_input(node: fx.Node) -> fx.Node:
+    """The node that `node` is a chain of single-input ops of (for a shard: its placeholder)."""
+    while node.op == "call_function" and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def gathered_param(gather: fx.Node) -> tuple:
+    """What a `zpp.all_gather_param` gathers: equal for every gather of one parameter's shard.
+    Each gather reads its own flat view of the local shard, so the graph input behind it tells
+    them apart."""
+    return (graph_input(gather.args[0]), *gather.args[1:])
+
+
 def weight_chain(gather: fx.Node) -> list[fx.Node]:
     """`gather` and every node computed from gathered weights alone (casts, views, transposes),
     in graph order: what backward can recompute from the weight without any activation."""

@@ -1,15 +1,18 @@
 """Parameters read more than once per forward (a module applied twice, ALBERT's shared layers, tied
 weights): gradient accumulation without sync adds the kept gradient once, whatever the number of
-reads, eagerly and compiled."""
+reads, eagerly and compiled; and a compiled step gathers and reduces each parameter once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import zpp_compile as zpp
+from zpp_compile.runtime.ledger import PHASES
 from distributed import device, run_ranks
+from models import TinyTransformer, batches
 
 PER_RANK = 2
 
@@ -68,18 +71,20 @@ def assert_same_gradients(got: list[dict], expected: list[dict]) -> None:
     for window, (mine, theirs) in enumerate(zip(got, expected)):
         assert mine.keys() == theirs.keys()
         for name, value in theirs.items():
-            torch.testing.assert_close(mine[name], value, rtol=1e-5, atol=1e-6,
+            # A 0-d parameter is sharded as one element.
+            torch.testing.assert_close(mine[name].reshape(value.shape), value, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"window {window}, {name}: {m}")
 
 
 def compiled(model: nn.Module, mode: str):
+    """`model` itself ("eager"), or compiled without Inductor ("aot")."""
     torch._dynamo.reset()
     if mode == "eager":
         return model
-    return torch.compile(model, backend="zeropp", options={"inductor": mode == "inductor"})
+    return torch.compile(model, backend="zeropp", options={"inductor": False})
 
 
-def applied_twice_run(rank: int, world_size: int, modes: list[str]) -> None:
+def applied_twice_run(rank: int, world_size: int) -> None:
     """Windows of 3 and 2 micro-batches (sync on the last), the last one split over two forwards,
     against the unsharded model accumulating the same global micro-batches."""
     generator = torch.Generator().manual_seed(0)
@@ -87,47 +92,108 @@ def applied_twice_run(rank: int, world_size: int, modes: list[str]) -> None:
     torch.manual_seed(0)
     reference = AppliedTwice().to(device())
     expected = accumulate(reference, reference, windows, slice(None), split_last=False)
-    for mode in modes:
+    for mode in ("eager", "aot"):
         model = shard_copy(reference, AppliedTwice)
         step_fn = compiled(model, mode)
-        # Inductor compiles the graphs that the split adds in seconds, not for nothing: once is enough.
-        for split_last in (False, True) if mode != "inductor" else (False,):
+        for split_last in (False, True):
             got = accumulate(model, step_fn, windows, slice(rank * PER_RANK, (rank + 1) * PER_RANK), split_last)
             assert_same_gradients(got, expected)
 
 
-@pytest.mark.parametrize("modes", [["eager", "aot"], ["inductor"]])
-def test_a_module_applied_twice_accumulates_its_kept_gradient_once(modes):
-    run_ranks(applied_twice_run, 2, modes)
+def test_a_module_applied_twice_accumulates_its_kept_gradient_once():
+    run_ranks(applied_twice_run, 2)
 
 
-def albert_config():
+class SharedBlock(TinyTransformer):
+    """ALBERT's pattern on the test transformer: one block applied at every depth (its embedding
+    tied to the head, as ALBERT's decoder is)."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=1)
+        self.blocks = nn.ModuleList([self.blocks[0]] * 3)
+
+
+def shared_layers_run(rank: int, world_size: int) -> None:
+    """One window of 3 micro-batches (sync on the last): HuggingFace's ALBERT eagerly, and one
+    block shared by every depth compiled, each against its unsharded model."""
     transformers = pytest.importorskip("transformers")
-    return transformers, transformers.AlbertConfig(
+    config = transformers.AlbertConfig(
         vocab_size=41, embedding_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
+    tokens = [t for t, _ in batches(3, world_size, PER_RANK)]
+    albert_window = [[{"input_ids": t, "labels": t.roll(1, dims=1)} for t in tokens]]
+    shared_window = [[{"tokens": x, "targets": y} for x, y in batches(3, world_size, PER_RANK)]]
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    for make, args, window, mode in ((transformers.AlbertForMaskedLM, (config,), albert_window, "eager"),
+                                     (SharedBlock, (), shared_window, "aot")):
+        torch.manual_seed(0)
+        reference = make(*args).to(device())
+        expected = accumulate(reference, reference, window, slice(None), split_last=False)
+        model = shard_copy(reference, make, *args)
+        assert_same_gradients(accumulate(model, compiled(model, mode), window, mine, split_last=False), expected)
 
 
-def albert_run(rank: int, world_size: int) -> None:
-    """ALBERT's one layer applied at every depth, and its decoder tied to the word embeddings."""
-    transformers, config = albert_config()
+def test_shared_layers_accumulate_their_kept_gradient_once():
+    run_ranks(shared_layers_run, 2)
+
+
+# ------------------------------------------------------------- one gather and one reduction each
+
+
+class TiedAndRepeated(nn.Module):
+    """GPT-2's layout in small: an embedding tied to the output head, read next to a scale and
+    after a final norm (so bucketing puts its two reads in different buckets), and a stack of two
+    blocks, the first applied twice."""
+
+    def __init__(self, vocab: int = 5, dim: int = 8) -> None:
+        super().__init__()
+        self.embed, self.scale = nn.Embedding(vocab, dim), nn.Parameter(torch.rand(dim))
+        self.blocks = nn.ModuleList([nn.Linear(dim, dim), nn.Linear(dim, dim)])
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * self.scale
+        x = self.blocks[1](torch.tanh(self.blocks[0](torch.tanh(self.blocks[0](x)))))
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
+
+
+def gather_once_run(rank: int, world_size: int) -> dict:
+    """Per setting of the gather_once pass: each phase's collectives (count, bytes from the
+    peer) in one compiled step; the gradients are checked against the unsharded model."""
     generator = torch.Generator().manual_seed(0)
-
-    def micro_batch() -> dict:
-        tokens = torch.randint(0, config.vocab_size, (PER_RANK * world_size, 7), generator=generator)
-        return {"input_ids": tokens, "labels": tokens.roll(1, dims=1)}
-
-    windows = [[micro_batch() for _ in range(3)]]
+    tokens, targets = torch.randint(0, 5, (2, PER_RANK * world_size, 7), generator=generator)
     torch.manual_seed(0)
-    reference = transformers.AlbertForMaskedLM(config).to(device())
-    expected = accumulate(reference, reference, windows, slice(None), split_last=False)
-    for mode in ("eager", "aot"):
-        model = shard_copy(reference, transformers.AlbertForMaskedLM, config)
-        got = accumulate(model, compiled(model, mode), windows, slice(rank * PER_RANK, (rank + 1) * PER_RANK),
-                         split_last=False)
-        assert_same_gradients(got, expected)
+    reference = TiedAndRepeated().to(device())
+    reference(tokens.to(device()), targets.to(device())).backward()
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    phases = {}
+    for disabled in ((), ("gather_once",)):
+        torch._dynamo.reset()
+        zpp.REGISTRY.ledger.clear()
+        model = shard_copy(reference, TiedAndRepeated)
+        options = {"inductor": False, "disable_passes": list(disabled)}
+        torch.compile(model, backend="zeropp", options=options)(tokens[mine].to(device()),
+                                                                  targets[mine].to(device())).backward()
+        shards = dict(model.named_parameters())
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(shards[name].grad.full_tensor(), param.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{disabled}, {name}: {m}")
+        rows = zpp.comm_report().rows
+        phases[disabled] = {phase: (sum(r.phase == phase for r in rows),
+                                    sum(r.intra_bytes for r in rows if r.phase == phase)) for phase in PHASES}
+    return phases
 
 
-def test_albert_shared_layers_accumulate_their_kept_gradient_once():
-    run_ranks(albert_run, 2)
+def test_each_parameter_is_gathered_and_reduced_once():
+    phases = run_ranks(gather_once_run, 2)[0]
+    # What the other rank sends of each distinct parameter, in float32: half its rows, rounded up.
+    once = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in TiedAndRepeated().parameters())
+    merged, separate = phases[()], phases[("gather_once",)]
+    assert merged["forward weight gather"][1] == merged["gradient reduction"][1] == once, (merged, once)
+    assert merged["backward weight gather"][1] <= once, (merged, once)
+    # The check can fail: without the pass, the tied weight is gathered in two buckets, and every
+    # read's gradient is reduced on its own.
+    assert separate["forward weight gather"][1] > once, (separate, once)
+    assert separate["gradient reduction"][1] > once, (separate, once)

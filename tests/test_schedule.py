@@ -117,7 +117,7 @@ def test_a_bucket_never_spans_two_layers():
 class BlocksInModuleDict(TinyTransformer):
     """The test transformer with its blocks in an nn.ModuleDict, as torchtitan keeps them."""
 
-    def __init__(self, layers: int = 4) -> None:
+    def __init__(self, layers: int = 2) -> None:
         super().__init__(layers=layers)
         self.blocks = nn.ModuleDict({str(i): block for i, block in enumerate(self.blocks)})
 
@@ -152,7 +152,7 @@ def test_layers_are_the_repeated_blocks_however_they_are_held():
         names = [name for name, module in model.named_modules() if isinstance(module, Block)]
         assert list(_layers(model)) == names, (kind, list(_layers(model)))
     assert list(_layers(BlocksAsAttributes())) == ["first", "second", "third"]
-    assert list(_layers(BlocksInModuleDict())) == [f"blocks.{i}" for i in range(4)]
+    assert list(_layers(BlocksInModuleDict())) == ["blocks.0", "blocks.1"]
 
 
 def moduledict_step_collectives(rank: int, world_size: int) -> list[tuple[str, int]]:
@@ -166,13 +166,13 @@ def moduledict_step_collectives(rank: int, world_size: int) -> list[tuple[str, i
 
 
 def test_blocks_in_a_module_dict_are_one_bucket_each():
-    # Each block's weights (and gradients, in float32 as well) are exactly one bucket: 4 buckets of
+    # Each block's weights (and gradients, in float32 as well) are exactly one bucket: 2 buckets of
     # one block's bytes per phase, and none larger (a bucket spanning two blocks would be).
     block_bytes = gathered_layer_nbytes() // 2  # what the other rank sends of one block
     rows = run_ranks(moduledict_step_collectives, 2)[0]
     for phase in PHASES:
         sizes = [nbytes for row_phase, nbytes in rows if row_phase == phase]
-        assert sizes.count(block_bytes) == 4 and max(sizes) == block_bytes, (phase, sizes, block_bytes)
+        assert sizes.count(block_bytes) == 2 and max(sizes) == block_bytes, (phase, sizes, block_bytes)
 
 
 def test_identical_layers_are_traced_once_with_values_of_their_own():
@@ -262,11 +262,13 @@ def test_the_ledger_counts_gradient_all_gathers_as_gradient_reduction():
 # ----------------------------------------------------------------------------- the memory bound
 
 
-def live_gathers(graph: fx.Graph) -> tuple[int, int]:
-    """The most gathered buckets, and the most gathered bytes, alive at once in `graph`: a gather
-    is alive from its collective until the last compute that reads a weight cut from it (the
-    weights being what the graph computes from the gathered shards alone: the gathered buffer,
-    its dequantized pieces)."""
+def live_gathers(graph: fx.Graph) -> tuple[int, int, list[int]]:
+    """The most gathered buckets, and the most gathered bytes, alive at once in `graph`, and the
+    bytes of each gather held across the others: a gather is alive from its collective until the
+    last compute that reads a weight cut from it (the weights being what the graph computes from
+    the gathered shards alone: the gathered buffer, its dequantized pieces). A gather alive for
+    the whole life of another is held (a weight read in several places, gathered once), and
+    counted apart: the schedule's bound is on the others."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     gathers = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
     shards = {a for g in gathers for a in ancestors(g) if a.op == "placeholder"}
@@ -283,13 +285,17 @@ def live_gathers(graph: fx.Graph) -> tuple[int, int]:
             todo.extend(u for u in current.users if u in from_shards and u not in weights)
         last_read = max(order[u] for w in weights for u in w.users if u not in weights)
         intervals.append((order[gather], last_read, gather.meta["val"].nbytes))
-    alive = [[nbytes for start, end, nbytes in intervals if start <= i <= end] for i in range(len(order))]
-    return max(len(a) for a in alive), max(sum(a) for a in alive)
+    held = [(start, end, nbytes) for start, end, nbytes in intervals
+            if any(start < other_start and other_end < end for other_start, other_end, _ in intervals)]
+    alive = [[nbytes for start, end, nbytes in intervals if start <= i <= end and (start, end, nbytes) not in held]
+             for i in range(len(order))]
+    return max(len(a) for a in alive), max(sum(a) for a in alive), [nbytes for _, _, nbytes in held]
 
 
-def scheduled_graphs(rank: int, world_size: int, configs: list[dict]) -> list[list[tuple[int, int]]]:
+def scheduled_graphs(rank: int, world_size: int, configs: list[dict]) -> list[list[tuple[int, int, list[int]]]]:
     """Trains a 6-layer model under each config and returns, for its forward and backward graph,
-    the most gathered buckets and bytes alive at once, in the graphs as finally lowered."""
+    the most gathered buckets and bytes alive at once and the held gathers' bytes (see
+    `live_gathers`), in the graphs as finally lowered."""
     captured: list[fx.Graph] = []
 
     def capture(graph: fx.Graph, ctx) -> None:
@@ -315,9 +321,9 @@ def test_prefetch_respects_the_memory_bound():
     configs = [{**options, "prefetch": 1}, {**options, "prefetch": 2}, {**options, "disable_passes": ["schedule_overlap"]}]
     for one, two, unscheduled in run_ranks(scheduled_graphs, 2, configs):
         # forward and backward: prefetch + 1 buckets at most, and the prefetch did happen
-        assert [n for n, _ in one] == [2, 2] and [n for n, _ in two] == [3, 3], (one, two)
+        assert [n for n, _, _ in one] == [2, 2] and [n for n, _, _ in two] == [3, 3], (one, two)
         # The check can fail: without the schedule, each gather is used before the next is issued.
-        assert [n for n, _ in unscheduled] == [1, 1]
+        assert [n for n, _, _ in unscheduled] == [1, 1]
 
 
 def gathered_layer_nbytes() -> int:
@@ -329,15 +335,18 @@ def gathered_layer_nbytes() -> int:
 def test_by_default_two_layers_of_gathered_weights_are_in_flight():
     layer_nbytes = gathered_layer_nbytes()
     for (forward, backward), in run_ranks(scheduled_graphs, 2, [{}]):
-        for buckets, nbytes in (forward, backward):
+        for buckets, nbytes, _ in (forward, backward):
             # At most two layers' weights, and more than one: the next layer's gather is in flight.
             assert layer_nbytes < nbytes <= 2 * layer_nbytes and buckets == 2, (buckets, nbytes, layer_nbytes)
+        # Besides: the embedding tied to the head (37 x 24 floats, rows padded to 38), gathered once
+        # for both and held from one to the other in forward; backward reads it at the head only.
+        assert forward[2] == [38 * 24 * 4] and backward[2] == [], (forward, backward)
 
 
 def test_a_bucket_size_in_bytes_may_span_layers():
     bucket_size = 2 * gathered_layer_nbytes()
     for (forward, backward), in run_ranks(scheduled_graphs, 2, [{"bucket_size": bucket_size}]):
-        for buckets, nbytes in (forward, backward):
+        for buckets, nbytes, _ in (forward, backward):
             # More than two layers in flight (buckets cut at each layer would hold one layer
             # each: two at most), and no more than (prefetch + 1) buckets' worth.
             assert bucket_size < nbytes <= 2 * bucket_size and buckets == 2, (buckets, nbytes, bucket_size)
@@ -367,11 +376,16 @@ def generated_issue_order(rank: int, world_size: int, configs: list[dict]) -> li
 
 
 def issued_ahead(events: list[tuple[str, str]], op: str) -> bool:
-    """Whether each `op` collective but the last is waited for only after the next one is issued."""
+    """Whether each `op` collective but the last is waited for only after the next one is issued,
+    from the first matrix product on. Those waited for before it have no compute to hide behind:
+    the step's first gathers (the embedding, held for the head, and the bucket of the position
+    table read with it, which Inductor's first kernel fuses and waits for together)."""
     position = {event: i for i, event in enumerate(events)}
+    first_matmul = next(i for i, event in enumerate(events) if event[0] == "matmul")
     starts = [(name, buf) for name, buf in events if name == op]
     waits = [position[("wait_tensor", buf)] for _, buf in starts]
-    return len(starts) > 1 and all(position[starts[k + 1]] < waits[k] for k in range(len(starts) - 1))
+    checked = [k for k in range(len(starts) - 1) if waits[k] > first_matmul]
+    return len(checked) > 1 and all(position[starts[k + 1]] < waits[k] for k in checked)
 
 
 def overlapped_by_matmuls(events: list[tuple[str, str]], op: str) -> bool:

@@ -98,24 +98,31 @@ def test_graph_breaks_several_graphs_per_step():
 
 
 def saved_tensor_shapes(rank: int, world_size: int, options: dict) -> list[tuple]:
-    """Shapes of everything the compiled forward saves for backward, and the parameter shapes."""
+    """Shapes of the gathered weights the compiled forward saves for backward: the saved tensors
+    that hold a whole parameter's values, as used or as gathered (flat, padded). By value, not by
+    shape: a bucket's concatenated shards may have a gathered weight's shape."""
     torch.manual_seed(0)
     model = zpp.shard(TinyTransformer().to(device()), zpp.Config(**options))
     compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
     tokens, targets = batches(1, world_size)[0]
+    # By value: a weight of zeros (a fresh LayerNorm's bias) cannot be told from other zeros.
+    weights = [w.reshape(-1) for w in zpp.full_state_dict(model).values() if w.any()]
     saved = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(tuple(t.shape))
+        saved.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = compiled(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device()))
     loss.backward()
-    layouts = [layout for m in model.modules() for layout in getattr(m, "_zpp_layouts", {}).values()]
-    gathered = {tuple(layout.shape) for layout in layouts if len(layout.shape)}  # as used
-    gathered |= {(layout.shard_size * world_size,) for layout in layouts}  # as gathered (flat)
-    return [s for s in saved if s in gathered]
+
+    def is_weight(t: torch.Tensor) -> bool:  # a weight, then nothing or the zeros that pad it
+        flat = t.detach().reshape(-1)
+        return any(flat.numel() >= w.numel() and torch.equal(flat[:w.numel()], w) and not flat[w.numel():].any()
+                   for w in weights)
+
+    return [tuple(t.shape) for t in saved if is_weight(t)]
 
 
 def test_no_gathered_weight_is_saved_for_backward():

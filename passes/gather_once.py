@@ -1,0 +1,87 @@
+"""Gather once: a parameter read several times per step is gathered once and reduced once."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .base import READ_REPEATEDLY, PassContext
+from .fx_util import descendants, gathered_param, nodes_calling, replace_with_traced
+
+
+def gather_once(graph: fx.Graph, ctx: PassContext) -> None:
+    """Merges the gathers of one parameter into one, and the reductions of its gradient into one.
+
+    Every read of a sharded parameter is a `zpp.all_gather_param`, and autograd gives each one a
+    `zpp.reduce_grad` in backward, so a weight read in several places (an embedding tied to the
+    output head, a module applied twice, one layer shared by several blocks) is gathered and
+    reduced once per read. This rewrites the later gathers of a shard into the first: every read
+    uses its weight, which is held from the first read to the last (bucketing keeps such weights
+    apart from those read once, which are not held with them). It rewrites the reductions whose
+    results sum into one parameter's gradient into one reduction of the summed gradients (summed
+    in the reduction's dtype) at the last of them, and the others into zeros. Reductions are
+    linear, so the gradient is that of the separate reductions, for the bytes of one gather and
+    one reduction. Reshard after forward then re-gathers the weight once for backward.
+    """
+    _merge_gathers(graph)
+    _merge_reductions(graph)
+
+
+def _merge_gathers(graph: fx.Graph) -> None:
+    first_of: dict[tuple, fx.Node] = {}
+    for gather in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
+        first = first_of.setdefault(gathered_param(gather), gather)
+        if first is not gather:
+            gather.replace_all_uses_with(first)
+            _erase_with_unused_inputs(graph, gather)
+            first.meta[READ_REPEATEDLY] = True
+
+
+def _merge_reductions(graph: fx.Graph) -> None:
+    results = next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes
+    by_gradient: dict[tuple, list[fx.Node]] = {}
+    for reduction in nodes_calling(graph, torch.ops.zpp.reduce_grad.default):
+        reached = descendants(reduction)
+        gradients = [result for result in results if result in reached]
+        if len(gradients) == 1:  # what the graph returns as one parameter's gradient
+            by_gradient.setdefault((gradients[0], *reduction.args[1:]), []).append(reduction)
+    for reductions in by_gradient.values():
+        if len(reductions) > 1:
+            _reduce_sum_once(graph, reductions)
+
+
+def _reduce_sum_once(graph: fx.Graph, reductions: list[fx.Node]) -> None:
+    """One reduction of the sum of `reductions`' gradients, at the last of them (where every
+    gradient exists); the others' results become zeros."""
+    *earlier, last = reductions
+    _, shard_numel, group_size, group_name, dtype = last.args
+    module_stack = {k: last.meta[k] for k in ("nn_module_stack", "fwd_nn_module_stack") if k in last.meta}
+    merged = replace_with_traced(graph, last, _reduce_sum, shard_numel, group_size, group_name, dtype,
+                                 *(r.args[0] for r in reductions))
+    merged.meta.update(module_stack)  # bucketing keeps reductions to the layer they differentiate
+    for reduction in earlier:
+        replace_with_traced(graph, reduction, _zeros, shard_numel, dtype, reduction.args[0])
+
+
+def _reduce_sum(shard_numel: int, group_size: int, group_name: str, dtype: torch.dtype,
+                *grads: torch.Tensor) -> torch.Tensor:
+    total = grads[0].to(dtype)
+    for grad in grads[1:]:
+        total = total + grad.to(dtype)
+    return torch.ops.zpp.reduce_grad(total, shard_numel, group_size, group_name, dtype)
+
+
+def _zeros(shard_numel: int, dtype: torch.dtype, grad: torch.Tensor) -> torch.Tensor:
+    """What a reduction's result becomes once another reduces its gradient: nothing to add."""
+    return grad.new_zeros(shard_numel, dtype=dtype)
+
+
+def _erase_with_unused_inputs(graph: fx.Graph, node: fx.Node) -> None:
+    """Erases `node`, then whatever computed its inputs and is left without a use (the flat
+    view of the shard it read), back to the graph inputs."""
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        inputs = current.all_input_nodes
+        graph.erase_node(current)
+        todo.extend(n for n in inputs if n.op == "call_function" and not n.users and n not in todo)
