@@ -131,6 +131,14 @@ def compile_seconds() -> dict[str, float]:
     return {name: float(value) for name, value in zip(names, values)}
 
 
+def cache_counts() -> dict[str, int]:
+    """Hits, misses and bypasses of AOTAutograd's and Inductor's FX graph caches in this process."""
+    from torch._dynamo.utils import counters
+
+    kept = {**counters["aot_autograd"], **counters["inductor"]}
+    return {name: count for name, count in kept.items() if "cache" in name}
+
+
 def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from gpt import init_distributed  # examples/gpt.py
@@ -177,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
                   "first_step_cpu_s": first_cpu,
                   "ms_per_step": 1e3 * step_s if step_s else None, "peak_gib": peak, "tflops": tflops,
                   "mfu": tflops / args.peak_tflops if tflops and args.peak_tflops else None,
-                  "compile_times": compile_seconds()}
+                  "compile_times": compile_seconds(), "caches": cache_counts()}
         Path(args.out).write_text(json.dumps(result))
         if profiler:
             write_profile(profiler, Path(args.profile) / f"{args.variant}-{layers}-{args.launch}")
@@ -268,6 +276,9 @@ def table(results: list[dict]) -> str:
         if any(k.startswith("pass ") for k in p):
             lines.append(f"  zeropp passes, {r['variant']} {r['layers']} layers {r['launch']}: "
                          + ", ".join(f"{k[5:]} {v:.2f} s" for k, v in p.items() if k.startswith("pass ")))
+    for r in results:
+        caches = ", ".join(f"{name} {count}" for name, count in sorted(r.get("caches", {}).items()))
+        lines.append(f"  caches, {r['variant']} {r['layers']} layers {r['launch']}: {caches or 'none used'}")
     return "\n".join(lines)
 
 
