@@ -11,8 +11,8 @@ source (--dim, --heads, --layers); or HF transformers' LlamaForCausalLM built fr
 shapes of Llama-3.2-1B ("llama-1b": width 2048, 16 layers, 32 heads, 8 key/value heads, MLP 8192,
 tied embeddings), Llama-3.2-3B ("llama-3b": 3072, 28, 24, 8, 8192, tied) or Llama-3.1-8B
 ("llama-8b": 4096, 32, 32, 8, 14336, untied), vocabulary 128256, rope_theta 500000 (without
-Llama 3's long-context frequency scaling, which costs nothing), SDPA attention, trained on
-random token ids; "llama-tiny" is the same architecture at CPU-test size (--layers overrides the
+Llama 3's long-context frequency scaling, which costs nothing), causal SDPA attention without a
+mask tensor (`causal_sdpa`), trained on random token ids; "llama-tiny" is the same architecture at CPU-test size (--layers overrides the
 depth of any). transformers is needed for the Llama models only, DeepSpeed for its variants only.
 
 Variants (each a fresh model from the same seed, trained on the same batches):
@@ -263,9 +263,24 @@ def build_model(args: argparse.Namespace) -> nn.Module:
         vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=shape.ffn, num_hidden_layers=args.layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, tie_word_embeddings=shape.tied,
         max_position_embeddings=max(args.seq, 8192), rope_theta=500000.0, rms_norm_eps=1e-5, use_cache=False,
-        attn_implementation="sdpa",
+        attn_implementation=causal_sdpa(transformers),
     )
     return transformers.LlamaForCausalLM(config)
+
+
+def causal_sdpa(transformers: Any) -> str:
+    """The name of an attention implementation that calls SDPA with `is_causal=True` and no mask tensor
+    (registered under it on first use), for batches of whole, unpadded sequences.
+
+    transformers' own "sdpa" builds an explicit mask whenever the mask's creation is traced by Dynamo
+    (its test for packed sequences reads the position ids), which rules out SDPA's causal kernels. A
+    whole-step compile (zeropp) traces it, a per-block compile (FSDP2 here) does not; without this, the
+    systems would run different attention kernels."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    # An attention name without a mask function gets no mask from transformers' mask creation.
+    transformers.AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
+    return "sdpa_causal"
 
 
 def model_layers(model: nn.Module) -> nn.ModuleList:

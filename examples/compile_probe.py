@@ -90,8 +90,11 @@ def build_llama(args: argparse.Namespace, layers: int, device: torch.device) -> 
     shape = dict(SHAPES[args.shape])
     if args.hidden:
         shape.update(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4)
+    from bench import causal_sdpa  # examples/bench.py
+
     config = transformers.LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=max(args.seq, 128),
-                                      tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa")
+                                      tie_word_embeddings=True, use_cache=False,
+                                      attn_implementation=causal_sdpa(transformers))
     torch.manual_seed(0)
     with torch.device(device):
         return transformers.LlamaForCausalLM(config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import zpp_compile as zpp
-from zpp_compile.compile_cache import PassCache, passes_key
+from zpp_compile.compile_cache import PassCache, passes_key, to_local_as_method
 from zpp_compile.pass_manager import PassManager
 from zpp_compile.runtime.ledger import CommReport, GraphComm
 from zpp_compile.runtime.topology import Group, Topology
@@ -171,3 +172,40 @@ def test_a_restored_entry_gives_way_to_the_graph_compiled_after_all():
     assert [g.secondary_bytes for g in zpp.REGISTRY.ledger[start:]] == [0, 5, 0]
     assert manager.graphs == zpp.REGISTRY.ledger[start:]
     del zpp.REGISTRY.ledger[start:]
+
+
+def _closure_as_dynamo_records_to_local(*args: Any, **kwargs: Any) -> Callable[[Any], Any]:
+    """The callable some torch versions' Dynamo puts in the graph for `x.to_local(*args, **kwargs)`."""
+    args_as_value, kwargs_as_value = list(args), dict(kwargs)
+
+    def to_local_fn_with_prim_types(x: Any) -> Any:
+        return x.to_local(*args_as_value, **kwargs_as_value)
+
+    to_local_fn_with_prim_types.__name__ = "prim_to_local"
+    return to_local_fn_with_prim_types
+
+
+class _Local:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def to_local(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.value * (2 if args or kwargs else 1)
+
+
+def test_dynamo_to_local_closures_become_method_calls_that_the_autograd_cache_takes():
+    graph = torch.fx.Graph()
+    shard = graph.placeholder("shard")
+    plain = graph.call_function(_closure_as_dynamo_records_to_local(), (shard,))
+    with_arguments = graph.call_function(_closure_as_dynamo_records_to_local(grad_placements=("x",)), (shard,))
+    graph.output((graph.call_function(torch.add, (plain, with_arguments)),))
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    value = torch.arange(3.0)
+    expected = gm(_Local(value))
+
+    to_local_as_method(gm)
+    calls = [(n.op, n.target if n.op == "call_method" else n.target.__name__)
+             for n in gm.graph.nodes if n.op in ("call_method", "call_function") and n.target is not torch.add]
+    # The closure with arguments stays: the method call alone would drop them.
+    assert calls == [("call_method", "to_local"), ("call_function", "prim_to_local")]
+    torch.testing.assert_close(gm(_Local(value)), expected, rtol=0, atol=0)

@@ -23,7 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .compile_cache import PassCache
+from .compile_cache import PassCache, to_local_as_method
 from .config import Config
 from .pass_manager import PassManager
 from .runtime.agreement import check_same_gathers
@@ -51,6 +51,7 @@ def zeropp_backend(
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)
+    to_local_as_method(gm)
     cache = PassCache.open(manager, gm, example_inputs, dict(config.inductor_options))
     patches = {
         "joint_custom_post_pass": _StageHook(manager, "joint", cache),

@@ -72,6 +72,32 @@ def passes_key(manager: PassManager) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=repr).encode()).hexdigest()
 
 
+def to_local_as_method(gm: fx.GraphModule) -> None:
+    """Rewrites the Dynamo graph's `DTensor.to_local()` calls, where Dynamo recorded each as a call to
+    a closure made while tracing (named "prim_to_local"), into the method call, so that AOTAutograd's
+    cache takes the graph: it refuses closures, and every restart would trace and partition the
+    whole step again. Only closures that pass no arguments are rewritten (then they are the method
+    call exactly); torch versions that record the method call leave nothing to rewrite."""
+    rewritten = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and _argumentless_to_local(node.target):
+            with gm.graph.inserting_before(node):
+                method = gm.graph.call_method("to_local", tuple(node.args), dict(node.kwargs))
+            method.meta = dict(node.meta)
+            node.replace_all_uses_with(method)
+            gm.graph.erase_node(node)
+            rewritten = True
+    if rewritten:
+        gm.recompile()
+
+
+def _argumentless_to_local(target: Any) -> bool:
+    if getattr(target, "__name__", None) != "prim_to_local" or not getattr(target, "__closure__", None):
+        return False
+    captured = dict(zip(target.__code__.co_freevars, (cell.cell_contents for cell in target.__closure__)))
+    return not any(captured.values())
+
+
 def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
     """The Dynamo graph as the caches see it: its code and its inputs' types, shapes and dtypes."""
     digest = hashlib.sha256(gm.code.encode())
