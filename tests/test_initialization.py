@@ -131,6 +131,11 @@ def meta_init_run(rank: int, world_size: int) -> dict[str, int]:
     assert model.head._parameters["weight"] is model.embed._parameters["weight"], "tied weights came apart"
     tokens = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(0)).to(device())
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-6, atol=1e-7)
+    # FSDP2's next step, to_empty(), would swap the initialized shards for uninitialized memory (an
+    # init after it writes to gathered copies): an error naming the way, the values untouched.
+    with pytest.raises(RuntimeError, match=r"to_empty\(\) after zpp_compile.shard .* init=fn"):
+        model.to_empty(device=device())
+    assert_same_state(zpp.full_state_dict(model), reference.state_dict())
 
     # A function of one module, for a model with its own init scheme: as model.apply(fn) on the
     # unsharded model.

@@ -262,6 +262,10 @@ def _gathering_class(cls: type, names: frozenset[str]) -> type:
     return REGISTRY.gathering_classes[key]
 
 
+# The conversion nn.Module.to_empty() applies, known by its name (torch gives it no other mark).
+_TO_EMPTY = "Module.to_empty.<locals>.<lambda>"
+
+
 def _apply_to_shards(
     module: nn.Module, apply: Callable[[], nn.Module], fn: Callable[[torch.Tensor], torch.Tensor]
 ) -> nn.Module:
@@ -269,6 +273,14 @@ def _apply_to_shards(
     converted in place (same Parameter object, so an optimizer built before keeps it), and its
     gathers then produce the new dtype unless Config.param_dtype fixes one. The shards must stay
     on the device of the process groups (`shard()` put them there)."""
+    if getattr(fn, "__qualname__", "") == _TO_EMPTY:
+        raise RuntimeError(
+            f"to_empty() after zpp_compile.shard would replace the shards of {type(module).__name__} with "
+            "uninitialized memory, and an initialization run afterwards would write to gathered copies, not "
+            "to the shards. shard() already allocated and initialized the meta-device modules (each module's "
+            "reset_parameters()): drop the to_empty() call, and give another initialization to shard as "
+            "shard(model, config, init=fn)"
+        )
     shards = {id(p): p for p in (module._parameters[name] for name in module._zpp_layouts)}
     for shard in shards.values():
         state = REGISTRY.params[shard]
