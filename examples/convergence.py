@@ -1,16 +1,26 @@
-"""Does ZeRO++'s quantization cost accuracy? Plain ZeRO-3 and all three techniques, same GPT,
-same seed, same batches in the same order, on the standard library's source bytes.
+"""Does ZeRO++'s quantization cost accuracy? Each variant trained from the same seeds on the same
+batches in the same order, on the standard library's source bytes, and compared with plain ZeRO-3
+seed by seed, so that the gap is told apart from run-to-run noise.
 
-    torchrun --nproc_per_node=2 examples/convergence.py --json conv.json --png conv.png
-    torchrun --nproc_per_node=2 examples/convergence.py --steps 20 --dim 64 --layers 2 --seq 64 --batch 2   # CPU
+    torchrun --nproc_per_node=2 examples/convergence.py --model llama --seeds 0,1,2 --steps 2000 \
+        --json conv.json --png conv.png                                   # 2 GPUs as 2 emulated nodes
+    torchrun --nproc_per_node=2 examples/convergence.py --seeds 0,1 --steps 20 --dim 64 --layers 2 \
+        --heads 2 --seq 64 --batch 2 --variants zero3,all3                # CPU, a minute
 
-Both runs train from the same initial weights with AdamW (linear warmup, cosine decay to 10%),
-gradient clipping at 1.0, bf16 compute and Inductor on GPUs (fp32 and debug mode, no Inductor,
-on CPU). The loss of a step is the mean over all ranks.
-The final-loss gap is all3 minus ZeRO-3, each the mean loss of the last 50 steps (--final-window);
-the validation loss is the mean over --val-batches held-out batches from the last 10% of the
-bytes, which training never reads. With 2 ranks the default emulates 2 nodes of 1 rank, so qgZ
-reduces across the (emulated) node boundary in INT4 and hpZ keeps a full copy.
+Models: "gpt", the byte-level GPT of examples/gpt.py (d=384, 6 layers by default); "llama", HF
+transformers' LlamaForCausalLM from a config (RMSNorm, SwiGLU, RoPE, grouped-query attention) over
+the 256 byte values, by default width 768, 16 layers, 12 heads of which 4 key/value, MLP 2048, tied
+embeddings: about 100M parameters. Variants: zero3 (plain ZeRO-3), qwz, qgz (its defaults: INT8
+inside a node, INT4 across), all3 (qwZ + hpZ + qgZ), qgz_int4 (qgZ with INT4 on both hops).
+
+Every run trains from its seed's initial weights with AdamW (linear warmup, cosine decay to 10%),
+gradient clipping at 1.0, bf16 compute and Inductor on GPUs (fp32 and debug mode, no Inductor, on
+CPU). The loss of a step is the mean over all ranks. A run's final loss is the mean of its last 50
+steps (--final-window); its held-out loss is the mean over --val-batches batches from the last 10%
+of the bytes, which training never reads. Per variant: mean and standard deviation over seeds, and
+the gap to plain ZeRO-3 with a 95% interval from the per-seed (paired) differences (Student's t
+with seeds - 1 degrees of freedom). With 2 ranks the default emulates 2 nodes of 1 rank, so qgZ
+reduces across the (emulated) node boundary and hpZ keeps a full copy.
 """
 
 from __future__ import annotations
@@ -18,42 +28,102 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 import zpp_compile as zpp
 from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
-def variants(hpz_size: int) -> dict[str, dict[str, Any]]:
-    """Config overrides per run: plain ZeRO-3, and qwZ + hpZ + qgZ."""
-    return {"zero3": {}, "all3": {"quantized_weights": True, "hpz_partition_size": hpz_size, "quantized_gradients": True}}
+VARIANT_NAMES = ("zero3", "qwz", "qgz", "all3", "qgz_int4")
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1 to 10); beyond 10, the 10's.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def variants(names: list[str], hpz_size: int) -> dict[str, dict[str, Any]]:
+    """Config overrides per variant."""
+    every = {
+        "zero3": {},
+        "qwz": {"quantized_weights": True},
+        "qgz": {"quantized_gradients": True},
+        "all3": {"quantized_weights": True, "hpz_partition_size": hpz_size, "quantized_gradients": True},
+        "qgz_int4": {"quantized_gradients": True, "intra_node_gradient_bits": 4},
+    }
+    return {name: every[name] for name in names}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated subset of {VARIANT_NAMES}")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; every variant runs from each")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--dim", type=int, help="width (gpt 384, llama 768)")
+    p.add_argument("--layers", type=int, help="layers (gpt 6, llama 16)")
+    p.add_argument("--heads", type=int, help="attention heads (gpt 6, llama 12)")
+    p.add_argument("--kv-heads", type=int, help="llama: key/value heads (default a third of the heads)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    p.add_argument("--final-window", type=int, default=50, help="last steps averaged for the final loss")
+    p.add_argument("--final-window", type=int, help="last steps averaged for the final loss (default 50, at most --steps)")
     p.add_argument("--val-batches", type=int, default=16, help="held-out batches per rank")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient reduce dtype")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
     p.add_argument("--data-bytes", type=int, default=8_000_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write losses and the gap here (rank 0)")
-    p.add_argument("--png", help="write both loss curves here (rank 0; needs matplotlib)")
+    p.add_argument("--json", help="write every run's losses and the summary here (rank 0)")
+    p.add_argument("--png", help="write the loss curves here, seed spread shaded (rank 0; needs matplotlib)")
     args = p.parse_args(argv)
+    args.final_window = args.final_window or min(50, args.steps)
     if args.final_window > args.steps:
         p.error(f"--final-window {args.final_window} is longer than --steps {args.steps}")
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(args.variants) - set(VARIANT_NAMES))
+    if unknown or "zero3" not in args.variants:
+        p.error(f"--variants must name zero3 (the reference) and only {VARIANT_NAMES}; got {unknown or args.variants}")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
+    defaults = {"gpt": (384, 6, 6), "llama": (768, 16, 12)}[args.model]
+    args.dim, args.layers, args.heads = (given or default for given, default in
+                                         zip((args.dim, args.layers, args.heads), defaults))
+    args.kv_heads = args.kv_heads or max(args.heads // 3, 1)
+    if args.model == "llama" and args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     return args
+
+
+class ByteLlama(nn.Module):
+    """HF LlamaForCausalLM over the 256 byte values, called like the GPT: (x, y) -> mean loss."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        import transformers
+        from bench import causal_sdpa  # examples/bench.py: SDPA with is_causal, no mask tensor
+
+        ffn = 256 * math.ceil(args.dim * 8 / 3 / 256)
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=args.dim, intermediate_size=ffn, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
+            rope_theta=10000.0, tie_word_embeddings=True, use_cache=False, attn_implementation=causal_sdpa(transformers),
+        )
+        self.llama = transformers.LlamaForCausalLM(config)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.llama(input_ids=x).logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    if args.model == "gpt":
+        return GPT(GPTConfig(seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers))
+    return ByteLlama(args)
 
 
 def lr_factor(step: int, warmup: int, steps: int) -> float:
@@ -64,22 +134,22 @@ def lr_factor(step: int, warmup: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(options: dict[str, Any], args: argparse.Namespace, device: torch.device, train_bytes: torch.Tensor,
-          val_bytes: torch.Tensor) -> dict[str, Any]:
-    """One run from the seed; returns its per-step losses (mean over ranks) and validation loss."""
+def train(options: dict[str, Any], seed: int, args: argparse.Namespace, device: torch.device,
+          train_bytes: torch.Tensor, val_bytes: torch.Tensor) -> dict[str, Any]:
+    """One run from `seed`; returns its per-step losses (mean over ranks) and held-out loss."""
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = device.type == "cuda"
     config = zpp.Config(param_dtype="bf16" if on_gpu else None, reduce_dtype=args.reduce_dtype,
                         ranks_per_node=args.ranks_per_node, inductor=on_gpu, **options)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     with device:
-        model = zpp.shard(GPT(GPTConfig(seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers)), config)
+        model = zpp.shard(build_model(args), config)
     step_model = torch.compile(model, backend="zeropp")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.warmup, args.steps))
     losses = torch.zeros(args.steps, device=device, dtype=torch.float64)
     for step in range(args.steps):
-        x, y = batch(train_bytes, step, rank, world, args.batch, args.seq, args.seed)
+        x, y = batch(train_bytes, step, rank, world, args.batch, args.seq, seed)
         loss = step_model(x.to(device), y.to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -90,26 +160,55 @@ def train(options: dict[str, Any], args: argparse.Namespace, device: torch.devic
         if rank == 0 and (step % 100 == 0 or step == args.steps - 1):
             print(f"  step {step:5d}  loss {loss.item():.4f}", flush=True)
     dist.all_reduce(losses)
-    val = validation_loss(model, args, device, val_bytes)
+    val = validation_loss(model, seed, args, device, val_bytes)
     torch._dynamo.reset()
-    return {"config": config.to_dict(), "losses": (losses / world).tolist(), "val_loss": val}
+    return {"config": config.to_dict(), "seed": seed, "losses": (losses / world).tolist(), "val_loss": val}
 
 
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, args: argparse.Namespace, device: torch.device,
+def validation_loss(model: torch.nn.Module, seed: int, args: argparse.Namespace, device: torch.device,
                     val_bytes: torch.Tensor) -> float:
-    """Mean loss over held-out batches, with the trained (master) weights run eagerly, so both
-    runs are scored the same way whatever their training-time quantization."""
+    """Mean loss over held-out batches, with the trained (master) weights run eagerly, so every
+    run is scored the same way whatever its training-time quantization."""
     rank, world = dist.get_rank(), dist.get_world_size()
     total = torch.zeros((), device=device, dtype=torch.float64)
     for i in range(args.val_batches):
-        x, y = batch(val_bytes, i, rank, world, args.batch, args.seq, args.seed + 1)
+        x, y = batch(val_bytes, i, rank, world, args.batch, args.seq, seed + 1)
         total += model(x.to(device), y.to(device)).double()
     dist.all_reduce(total)
     return total.item() / (world * args.val_batches)
 
 
-def plot(runs: dict[str, dict[str, Any]], title: str, path: str) -> None:
+def interval(differences: list[float]) -> tuple[float, float, float]:
+    """Mean of paired differences and its two-sided 95% interval (Student's t); a single pair has
+    no interval (nan bounds)."""
+    mean = statistics.fmean(differences)
+    if len(differences) < 2:
+        return mean, math.nan, math.nan
+    half = T_975[min(len(differences) - 1, len(T_975)) - 1] * statistics.stdev(differences) / math.sqrt(len(differences))
+    return mean, mean - half, mean + half
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], window: int) -> dict[str, dict[str, Any]]:
+    """Per variant: mean and standard deviation over seeds of the final and held-out losses, and the
+    paired gap to zero3 with its 95% interval. `runs[variant]` lists one run per seed, same order."""
+    def final(run: dict[str, Any]) -> float:
+        return statistics.fmean(run["losses"][-window:])
+
+    out = {}
+    for name, seeded in runs.items():
+        row: dict[str, Any] = {}
+        for measure, value in (("final", final), ("val", lambda run: run["val_loss"])):
+            values = [value(run) for run in seeded]
+            row[f"{measure}_mean"] = statistics.fmean(values)
+            row[f"{measure}_std"] = statistics.stdev(values) if len(values) > 1 else math.nan
+            gaps = [v - value(ref) for v, ref in zip(values, runs["zero3"])]
+            row[f"{measure}_gap"], row[f"{measure}_gap_low"], row[f"{measure}_gap_high"] = interval(gaps)
+        out[name] = row
+    return out
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], title: str, path: str) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -119,14 +218,16 @@ def plot(runs: dict[str, dict[str, Any]], title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for (name, run), color in zip(runs.items(), ("tab:gray", "tab:blue")):
-        losses = torch.tensor(run["losses"])
-        window = min(25, len(losses))
-        smooth = losses.unfold(0, window, 1).mean(1)  # moving average, for the eye only
-        ax.plot(losses, color=color, alpha=0.25, linewidth=0.7)
-        ax.plot(range(window - 1, len(losses)), smooth, color=color, label=f"{name} (val {run['val_loss']:.4f})")
+    colors = ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red")
+    for (name, seeded), color in zip(runs.items(), colors):
+        losses = torch.tensor([run["losses"] for run in seeded])  # seeds x steps
+        window = max(1, min(25, losses.shape[1] // 10))
+        smooth = losses.unfold(1, window, 1).mean(2)  # moving average per seed, for the eye only
+        steps = range(window - 1, losses.shape[1])
+        ax.plot(steps, smooth.mean(0), color=color, linewidth=1, label=name)
+        ax.fill_between(steps, smooth.min(0).values, smooth.max(0).values, color=color, alpha=0.2, linewidth=0)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats per byte)")
+    ax.set_ylabel("training loss (nats per byte), mean over seeds, range shaded")
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
@@ -144,32 +245,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     split = len(data) * 9 // 10
     train_bytes, val_bytes = data[:split], data[split:]
 
-    runs = {}
-    for name, options in variants(hpz).items():
-        if rank == 0:
-            print(f"{name}: {options or 'plain ZeRO-3'}", flush=True)
-        runs[name] = train(options, args, device, train_bytes, val_bytes)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
+    for seed in args.seeds:
+        for name, options in variants(args.variants, hpz).items():
+            if rank == 0:
+                print(f"seed {seed}, {name}: {options or 'plain ZeRO-3'}", flush=True)
+            runs[name].append(train(options, seed, args, device, train_bytes, val_bytes))
 
-    window = args.final_window
-    final = {name: sum(run["losses"][-window:]) / window for name, run in runs.items()}
+    table = summarize(runs, args.final_window)
     summary = {
-        "final_loss": final, "final_loss_gap": final["all3"] - final["zero3"],
-        "val_loss_gap": runs["all3"]["val_loss"] - runs["zero3"]["val_loss"],
-        "final_window": window, "world": world, "ranks_per_node": args.ranks_per_node,
+        "variants": table, "seeds": args.seeds, "final_window": args.final_window, "world": world,
+        "ranks_per_node": args.ranks_per_node,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "command": " ".join(sys.argv),
         "args": {k: v for k, v in vars(args).items() if k not in ("json", "png")},
     }
     if rank == 0:
-        for name, run in runs.items():
-            print(f"{name:<6} final loss (mean of last {window} steps) {final[name]:.4f}  val loss {run['val_loss']:.4f}")
-        print(f"gap all3 - zero3: final loss {summary['final_loss_gap']:+.4f} nats, "
-              f"val loss {summary['val_loss_gap']:+.4f} nats")
+        print(f"{len(args.seeds)} seeds; final = mean of the last {args.final_window} steps; gap = variant - zero3, "
+              "paired by seed, with its 95% interval")
+        print(f"{'variant':<9} {'final':>15} {'final gap [95%]':>30} {'held-out':>15} {'held-out gap [95%]':>30}")
+        for name, row in table.items():
+            cells = [f"{row[f'{m}_mean']:.4f} +- {row[f'{m}_std']:.4f}" for m in ("final", "val")]
+            gaps = [f"{row[f'{m}_gap']:+.4f} [{row[f'{m}_gap_low']:+.4f}, {row[f'{m}_gap_high']:+.4f}]"
+                    if name != "zero3" else "(reference)" for m in ("final", "val")]
+            print(f"{name:<9} {cells[0]:>15} {gaps[0]:>30} {cells[1]:>15} {gaps[1]:>30}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({**summary, "runs": runs}, f, indent=1)
         if args.png:
-            plot(runs, f"GPT d={args.dim} L={args.layers} T={args.seq}, {args.batch} seq x {world} ranks, "
-                       f"{args.steps} steps: final-loss gap {summary['final_loss_gap']:+.4f} nats", args.png)
+            shape = f"{args.model} d={args.dim} L={args.layers} T={args.seq}"
+            plot(runs, f"{shape}, {args.batch} seq x {world} ranks, {args.steps} steps, seeds {args.seeds}", args.png)
     zpp.release_cuda_graphs()  # with Config.cuda_graphs: a captured NCCL collective blocks the teardown
     dist.destroy_process_group()
     return summary
