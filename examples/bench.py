@@ -558,7 +558,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
                 env: dict[str, Any], trace_name: str) -> dict[str, Any]:
     device, world, ranks_per_node = env["device"], env["world"], env["ranks_per_node"]
     debug, checkpointing = args.compile_mode == "debug", args.activation_checkpointing
-    zpp.REGISTRY.ledger.clear()  # the ledger then holds this variant's graphs only
+    zpp.reset_comm_report()  # the report then covers this variant's graphs only
     leftover = None
     if device.type == "cuda":  # what earlier variants left allocated (should be ~0) is reported
         torch.cuda.reset_peak_memory_stats()

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..runtime.ops import gather_param_args, reduce_grad_args
 from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext
 from .fx_util import gathered_param, hoist, insert_traced, layer_of, nodes_calling, sink_users
 from .quantize_gradients import gradient_block_size
@@ -52,19 +53,20 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
 def _gather_key(node: fx.Node, config: Any) -> tuple:
     """What members of one bucket share; the last item is the qwZ block size (0: unquantized).
     A weight held across several reads (gather_once) shares a bucket only with such weights."""
-    shard, _, group_size, group_name, dtype, reduce_dtype, sharding_id = node.args
-    return (shard.meta["val"].dtype, group_size, group_name, dtype, reduce_dtype, sharding_id,
-            node.meta.get(READ_REPEATEDLY, False), weight_block_size(config, node))
+    gather = gather_param_args(node)
+    return (gather.shard.meta["val"].dtype, gather.group_size, gather.group_name, gather.dtype, gather.reduce_dtype,
+            gather.sharding_id, node.meta.get(READ_REPEATEDLY, False), weight_block_size(config, node))
 
 
 def _reduce_key(node: fx.Node, config: Any) -> tuple:
     """What members of one bucket share; the last item is the qgZ block size (0: unquantized)."""
-    grad, _, group_size, group_name, dtype = node.args
-    return (grad.meta["val"].dtype, group_size, group_name, dtype, gradient_block_size(config, node))
+    reduction = reduce_grad_args(node)
+    return (reduction.grad.meta["val"].dtype, reduction.group_size, reduction.group_name, reduction.dtype,
+            gradient_block_size(config, node))
 
 
 def _nbytes(node: fx.Node) -> int:
-    value = node.meta["val"] if node.target is torch.ops.zpp.all_gather_param.default else node.args[0].meta["val"]
+    value = node.meta["val"] if node.target is torch.ops.zpp.all_gather_param.default else reduce_grad_args(node).grad.meta["val"]
     return value.numel() * value.element_size()
 
 
@@ -100,18 +102,18 @@ def _padded(size: int, block: int) -> int:
 def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
     *_, block = bucket.key
     first = bucket.members[0]
-    _, _, group_size, group_name, dtype, reduce_dtype, sharding_id = first.args
+    gather = gather_param_args(first)
     # A parameter used twice in the bucket (tied weights, with gather_once switched off) is gathered once.
     first_use: dict[tuple, fx.Node] = {}
     for node in bucket.members:
         first_use.setdefault(gathered_param(node), node)
     unique = list(first_use.values())
-    sizes = tuple(n.args[1] for n in unique)
+    sizes = tuple(gather_param_args(n).shard_size for n in unique)
     segments = tuple(_padded(s, block) for s in sizes)
-    shards = [n.args[0] for n in unique]
+    shards = [gather_param_args(n).shard for n in unique]
     hoist(shards, first)  # each shard is a view of a graph input, made just before its own gather
-    weights = insert_traced(graph, first, _gather_bucket, sizes, segments, group_size, group_name, dtype,
-                            reduce_dtype, sharding_id, *shards)
+    weights = insert_traced(graph, first, _gather_bucket, sizes, segments, gather.group_size, gather.group_name,
+                            gather.dtype, gather.reduce_dtype, gather.sharding_id, *shards)
     _upstream(weights[0], torch.ops.zpp.all_gather_param.default).meta[FULL_PRECISION] = not block
     weight_of = {gathered_param(n): w for n, w in zip(unique, weights)}
     _replace(graph, bucket.members, tuple(weight_of[gathered_param(n)] for n in bucket.members))
@@ -129,18 +131,18 @@ def _gather_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], group_size
     return tuple(piece[:, :size].reshape(-1) for piece, size in zip(rows.split(segments, dim=1), sizes))
 
 
-
 def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:
     *_, block = bucket.key
     last = bucket.members[-1]
-    _, _, group_size, group_name, dtype = last.args
-    sizes = tuple(n.args[0].meta["val"].numel() // group_size for n in bucket.members)
+    reductions = [reduce_grad_args(n) for n in bucket.members]
+    group_size, group_name, dtype = reductions[-1].group_size, reductions[-1].group_name, reductions[-1].dtype
+    sizes = tuple(r.grad.meta["val"].numel() // group_size for r in reductions)
     segments = tuple(_padded(s, block) for s in sizes)
-    shard_numels = tuple(n.args[1] for n in bucket.members)
+    shard_numels = tuple(r.shard_numel for r in reductions)
     # Uses of the earlier members' results move past the bucket, which comes after every gradient.
     sink_users(bucket.members[:-1], last)
     shards = insert_traced(graph, last, _reduce_bucket, sizes, segments, shard_numels, group_size, group_name, dtype,
-                           *(n.args[0] for n in bucket.members))
+                           *(r.grad for r in reductions))
     _upstream(shards[0], torch.ops.zpp.reduce_grad.default).meta[FULL_PRECISION] = not block
     _replace(graph, bucket.members, shards)
 

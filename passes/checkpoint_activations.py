@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..runtime.ops import gather_param_args
 from .base import RECOMPUTED, PassContext
 from .fx_util import ancestors, backward_nodes, layer_of, nodes_calling, weight_chain
 
@@ -60,7 +61,7 @@ def checkpoint_activations(graph: fx.Graph, ctx: PassContext) -> None:
         return
     from ..runtime.registry import REGISTRY  # here: the registry imports the passes (through the ledger)
 
-    layers = REGISTRY.states[gathers[0].args[-1]].layers  # the model's, whatever bucket_size is
+    layers = REGISTRY.states[gather_param_args(gathers[0]).sharding_id].layers  # the model's, whatever bucket_size is
     weights = set().union(*(weight_chain(g) for g in gathers), *(ancestors(g) for g in gathers))
     forward = _forward_nodes(graph, backward)
     members: dict[str, list[fx.Node]] = defaultdict(list)

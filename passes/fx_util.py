@@ -12,6 +12,8 @@ from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..runtime.ops import gather_param_args
+
 _ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argument: L['self']
 
 
@@ -108,7 +110,8 @@ def gathered_param(gather: fx.Node) -> tuple:
     """What a `zpp.all_gather_param` gathers: equal for every gather of one parameter's shard.
     Each gather reads its own flat view of the local shard, so the graph input behind it tells
     them apart."""
-    return (graph_input(gather.args[0]), *gather.args[1:])
+    shard, *rest = gather_param_args(gather)
+    return (graph_input(shard), *rest)
 
 
 def weight_chain(gather: fx.Node) -> list[fx.Node]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..runtime.ops import reduce_grad_args
 from .base import READ_REPEATEDLY, PassContext
 from .fx_util import descendants, gathered_param, nodes_calling, replace_with_traced
 
@@ -44,7 +45,8 @@ def _merge_reductions(graph: fx.Graph) -> None:
         reached = descendants(reduction)
         gradients = [result for result in results if result in reached]
         if len(gradients) == 1:  # what the graph returns as one parameter's gradient
-            by_gradient.setdefault((gradients[0], *reduction.args[1:]), []).append(reduction)
+            _, *settings = reduce_grad_args(reduction)
+            by_gradient.setdefault((gradients[0], *settings), []).append(reduction)
     for reductions in by_gradient.values():
         if len(reductions) > 1:
             _reduce_sum_once(graph, reductions)
@@ -54,13 +56,14 @@ def _reduce_sum_once(graph: fx.Graph, reductions: list[fx.Node]) -> None:
     """One reduction of the sum of `reductions`' gradients, at the last of them (where every
     gradient exists); the others' results become zeros."""
     *earlier, last = reductions
-    _, shard_numel, group_size, group_name, dtype = last.args
+    final = reduce_grad_args(last)
+    shard_numel, dtype = final.shard_numel, final.dtype
     module_stack = {k: last.meta[k] for k in ("nn_module_stack", "fwd_nn_module_stack") if k in last.meta}
-    merged = replace_with_traced(graph, last, _reduce_sum, shard_numel, group_size, group_name, dtype,
-                                 *(r.args[0] for r in reductions))
+    merged = replace_with_traced(graph, last, _reduce_sum, shard_numel, final.group_size, final.group_name, dtype,
+                                 *(reduce_grad_args(r).grad for r in reductions))
     merged.meta.update(module_stack)  # bucketing keeps reductions to the layer they differentiate
     for reduction in earlier:
-        replace_with_traced(graph, reduction, _zeros, shard_numel, dtype, reduction.args[0])
+        replace_with_traced(graph, reduction, _zeros, shard_numel, dtype, reduce_grad_args(reduction).grad)
 
 
 def _reduce_sum(shard_numel: int, group_size: int, group_name: str, dtype: torch.dtype,

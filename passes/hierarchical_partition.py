@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..runtime.ops import gather_secondary, quantize_and_gather, secondary_slice
+from ..runtime.ops import gather_param_args, gather_secondary, quantize_and_gather, secondary_slice
 from .base import RECOMPUTED, PassContext
 from .fx_util import backward_nodes, insert_traced, nodes_calling, replace_with_traced, weight_chain
 from .quantize_weights import weight_block_size
@@ -37,13 +37,15 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
         if not backward_users:
             continue
         first_backward_use = min(backward_users, key=order.__getitem__)
-        shard, shard_size, group_size, group_name, dtype, *_ = gather.args
+        args = gather_param_args(gather)
         block = weight_block_size(config, gather)
 
         # Forward: the gathered buffer the copy is cut from (packed bytes with qwZ).
         if block:
-            gathered = insert_traced(graph, gather, quantize_and_gather, shard, shard_size, group_size, group_name, block)
-            weight = replace_with_traced(graph, gather, torch.ops.zpp.dequantize_weight, gathered, shard_size, block, dtype)
+            gathered = insert_traced(graph, gather, quantize_and_gather, args.shard, args.shard_size, args.group_size,
+                                     args.group_name, block)
+            weight = replace_with_traced(graph, gather, torch.ops.zpp.dequantize_weight, gathered, args.shard_size,
+                                         block, args.dtype)
         else:
             gathered = weight = gather
         users = set(weight.users)  # before the copy's own nodes start reading the weight
@@ -58,7 +60,7 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
         # Backward: the weight rebuilt from the secondary group, and the chain repeated on it.
         chain = [kept, *chain[1:]]
         rebuilt = {kept: insert_traced(
-            graph, first_backward_use, gather_secondary, copy, members, secondary, shard_size, block, dtype)}
+            graph, first_backward_use, gather_secondary, copy, members, secondary, args.shard_size, block, args.dtype)}
         with graph.inserting_before(first_backward_use):
             for node in chain[1:]:
                 rebuilt[node] = graph.node_copy(node, lambda arg: rebuilt.get(arg, arg))

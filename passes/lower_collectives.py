@@ -6,7 +6,8 @@ import torch
 import torch.fx as fx
 
 from ..runtime.collectives import all_gather
-from ..runtime.ops import gather_param, reduce_grad_mean
+from ..runtime.ops import (gather_flat_args, gather_param, gather_param_args, reduce_grad_args,
+                           reduce_grad_mean)
 from .base import PassContext
 from .fx_util import nodes_calling, replace_with_traced
 
@@ -22,12 +23,13 @@ def lower_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     graph issues exactly the collectives of the eager reference.
     """
     for node in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
-        shard, shard_size, group_size, group_name, dtype, *_ = node.args
-        replace_with_traced(graph, node, gather_param, shard, shard_size, group_size, group_name, dtype)
+        gather = gather_param_args(node)
+        replace_with_traced(graph, node, gather_param, gather.shard, gather.shard_size, gather.group_size,
+                            gather.group_name, gather.dtype)
     for node in nodes_calling(graph, torch.ops.zpp.with_secondary_copy.default):
         node.replace_all_uses_with(node.args[0])  # a marker for the partitioner only
         graph.erase_node(node)
     for node in nodes_calling(graph, torch.ops.zpp.all_gather_flat.default):
-        replace_with_traced(graph, node, all_gather, *node.args)
+        replace_with_traced(graph, node, all_gather, *gather_flat_args(node))
     for node in nodes_calling(graph, torch.ops.zpp.reduce_grad.default):
-        replace_with_traced(graph, node, reduce_grad_mean, *node.args)
+        replace_with_traced(graph, node, reduce_grad_mean, *reduce_grad_args(node))

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..runtime.ops import reduce_grad_quantized
+from ..runtime.ops import reduce_grad_args, reduce_grad_quantized
 from .base import FULL_PRECISION, PassContext
 from .fx_util import nodes_calling, replace_with_traced
 
@@ -15,9 +15,9 @@ from .fx_util import nodes_calling, replace_with_traced
 def gradient_block_size(config: Any, reduction: fx.Node) -> int:
     """The qgZ block size for a gradient reduction; 0 means reduce it in full precision (qgZ off,
     a shard smaller than one block, whose scales would outweigh the saving, or a bucket of such)."""
-    grad, _, group_size, *_ = reduction.args
+    args = reduce_grad_args(reduction)
     block = config.gradient_block_size
-    shard_numel = grad.meta["val"].numel() // group_size
+    shard_numel = args.grad.meta["val"].numel() // args.group_size
     wanted = config.quantized_gradients and shard_numel >= block and not reduction.meta.get(FULL_PRECISION)
     return block if wanted else 0
 
@@ -35,10 +35,11 @@ def quantize_gradients(graph: fx.Graph, ctx: PassContext) -> None:
     """
     config, topology = ctx.config, ctx.topology
     for node in nodes_calling(graph, torch.ops.zpp.reduce_grad.default):
-        grad, shard_numel, _, _, dtype = node.args
+        reduction = reduce_grad_args(node)
         if block := gradient_block_size(config, node):
             replace_with_traced(
-                graph, node, reduce_grad_quantized, grad, shard_numel, dtype, topology.num_nodes,
+                graph, node, reduce_grad_quantized, reduction.grad, reduction.shard_numel, reduction.dtype,
+                topology.num_nodes,
                 topology.ranks_per_node, topology.intra_node.name, topology.inter_node.name,
                 config.intra_node_gradient_bits, config.gradient_bits, block,
             )

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..runtime.ops import gather_param_quantized
+from ..runtime.ops import gather_param_args, gather_param_quantized
 from .base import FULL_PRECISION, PassContext
 from .fx_util import nodes_calling, replace_with_traced
 
@@ -15,7 +15,7 @@ from .fx_util import nodes_calling, replace_with_traced
 def weight_block_size(config: Any, gather: fx.Node) -> int:
     """The qwZ block size for a parameter gather; 0 means gather it unquantized (qwZ off, a shard
     smaller than one block, which quantizing would not make smaller, or a bucket of such shards)."""
-    block, shard_size = config.weight_block_size, gather.args[1]
+    block, shard_size = config.weight_block_size, gather_param_args(gather).shard_size
     wanted = config.quantized_weights and shard_size >= block and not gather.meta.get(FULL_PRECISION)
     return block if wanted else 0
 
@@ -31,8 +31,7 @@ def quantize_weights(graph: fx.Graph, ctx: PassContext) -> None:
     full precision: quantizing it would not make it smaller.
     """
     for node in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
-        shard, shard_size, group_size, group_name, dtype, *_ = node.args
+        gather = gather_param_args(node)
         if block_size := weight_block_size(ctx.config, node):
-            replace_with_traced(
-                graph, node, gather_param_quantized, shard, shard_size, group_size, group_name, dtype, block_size
-            )
+            replace_with_traced(graph, node, gather_param_quantized, gather.shard, gather.shard_size,
+                                gather.group_size, gather.group_name, gather.dtype, block_size)

@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..runtime.ops import gather_param_args
 from .base import PassContext
 from .fx_util import ancestors, nodes_calling, weight_chain
 
@@ -20,6 +21,6 @@ def reshard_after_forward(graph: fx.Graph, ctx: PassContext) -> None:
     shards for backward, never a gathered weight nor a copy of the shards.
     """
     for gather in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
-        shard_side = [n for n in ancestors(gather.args[0]) if n.op == "call_function"]
+        shard_side = [n for n in ancestors(gather_param_args(gather).shard) if n.op == "call_function"]
         for node in shard_side + weight_chain(gather):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

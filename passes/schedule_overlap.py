@@ -3,8 +3,7 @@ reductions waited for only when the next one starts."""
 
 from __future__ import annotations
 
-import heapq
-
+import networkx
 import torch
 import torch.fx as fx
 
@@ -93,20 +92,11 @@ def _segments(start: fx.Node, order: dict[fx.Node, int], claimed: set[fx.Node]) 
 
 def _reorder(graph: fx.Graph, rank: dict[fx.Node, float]) -> None:
     """Puts the graph's nodes in order of `rank` as far as dependencies allow: a topological sort
-    that always places the ready node of lowest rank."""
-    missing = {node: len(node.all_input_nodes) for node in rank}
-    index = {node: i for i, node in enumerate(rank)}  # breaks ties, and keeps nodes uncompared
-    ready = [(rank[node], index[node], node) for node in rank if not missing[node]]
-    heapq.heapify(ready)
+    that always places the ready node of lowest rank (ties in graph order)."""
+    index = {node: i for i, node in enumerate(rank)}
+    dependencies = networkx.DiGraph()
+    dependencies.add_nodes_from(rank)
+    dependencies.add_edges_from((source, node) for node in rank for source in node.all_input_nodes)
     output = next(n for n in graph.nodes if n.op == "output")
-    placed = 0
-    while ready:
-        _, _, node = heapq.heappop(ready)
+    for node in networkx.lexicographical_topological_sort(dependencies, key=lambda n: (rank[n], index[n])):
         output.prepend(node)
-        placed += 1
-        for user in node.users:
-            if user in missing:
-                missing[user] -= 1
-                if not missing[user]:
-                    heapq.heappush(ready, (rank[user], index[user], user))
-    assert placed == len(rank), "schedule_overlap: the graph has a cycle"

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from .ops import gather_param_args
 from .registry import REGISTRY, ShardingState
 from .topology import Topology
 
@@ -69,13 +70,14 @@ def gather_schedule(
     gather = torch.ops.zpp.all_gather_param
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (gather, gather.default):
-            shard, shard_size, group_size, group_name, dtype, reduce_dtype, sharding_id = node.args
-            value = shard.meta.get("example_value")
+            args = gather_param_args(node)
+            value = args.shard.meta.get("example_value")
             reduced = torch.is_grad_enabled() and value is not None and value.requires_grad
-            gradient = f", gradient reduced in {_name(reduce_dtype)}" if reduced else ", no gradient"
-            schedule.append(f"{_parameter(shard)}: {_name(dtype)} gather of {shard_size} elements per rank over the "
-                            f"{roles.get(str(group_name), 'other')} group ({group_size} ranks){gradient}")
-            sharding_ids.add(sharding_id)
+            gradient = f", gradient reduced in {_name(args.reduce_dtype)}" if reduced else ", no gradient"
+            schedule.append(f"{_parameter(args.shard)}: {_name(args.dtype)} gather of {args.shard_size} elements per "
+                            f"rank over the {roles.get(str(args.group_name), 'other')} group ({args.group_size} ranks)"
+                            f"{gradient}")
+            sharding_ids.add(args.sharding_id)
     return tuple(schedule), frozenset(sharding_ids)
 
 

@@ -104,7 +104,7 @@ def graphed_inner_compile(
 
 
 def release_cuda_graphs() -> None:
-    """Destroys every captured graph and resets torch.compile's caches (torch._dynamo.reset()):
+    """Destroys every captured graph and resets torch.compile's caches (torch.compiler.reset()):
     a compiled step called afterwards compiles and captures anew.
 
     Call it before torch.distributed.destroy_process_group(): NCCL does not destroy a communicator
@@ -113,4 +113,4 @@ def release_cuda_graphs() -> None:
     """
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    torch._dynamo.reset()  # also frees Inductor's cudagraph trees
+    torch.compiler.reset()  # also frees Inductor's cudagraph trees

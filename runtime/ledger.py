@@ -83,11 +83,14 @@ class GraphComm:
     collectives: tuple[CollectiveRecord, ...]
     secondary_bytes: int = 0  # hpZ copies this (forward) graph keeps for backward
     model: ShardedModel | None = None  # the sharded model whose parameters it gathers
+    # The Python frame Dynamo compiled it for: a later compilation of the same frame (a recompile,
+    # for a new input shape or a changed flag) replaces it in one step's report.
+    frame: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, for a dump; `from_dict` reads it back."""
         return {"graph": self.graph_name, "kind": self.kind, "secondary_bytes": self.secondary_bytes,
-                "model": vars(self.model) if self.model else None,
+                "model": vars(self.model) if self.model else None, "frame": self.frame,
                 "collectives": [c.to_dict() for c in self.collectives]}
 
     @classmethod
@@ -100,8 +103,11 @@ class GraphComm:
                 field_of(model, "world_size", int, minimum=1), field_of(model, "ranks_per_node", int, minimum=1)))
         records = tuple(_within(f"collectives[{index}]", lambda: CollectiveRecord.from_dict(record))
                         for index, record in enumerate(field_of(values, "collectives", list)))
+        frame = values.get("frame") if isinstance(values, dict) else None
+        if frame is not None and (type(frame) is not int or frame < 0):
+            raise ValueError(f"'frame' must be a non-negative integer or null, got {frame!r}")
         return cls(field_of(values, "graph", str), field_of(values, "kind", str), records,
-                   field_of(values, "secondary_bytes", int), model)
+                   field_of(values, "secondary_bytes", int), model, frame)
 
 
 def field_of(values: Any, key: str, kind: type | tuple[type, ...], minimum: int = 0) -> Any:
@@ -160,10 +166,27 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
 
 
 def training_graphs(graphs: list[GraphComm]) -> list[GraphComm]:
-    """The forward and backward graphs of every compiled graph that has a backward (so not the
-    inference-only graphs of, say, evaluation): what one training step runs."""
-    trained = {g.graph_name.split(".")[0] for g in graphs if g.kind == "backward"}
-    return [g for g in graphs if g.graph_name.split(".")[0] in trained]
+    """What one training step runs: the forward and backward graphs of every compiled graph that
+    has a backward (not the inference-only graphs of, say, evaluation), and of a frame Dynamo
+    compiled several times for one model (recompiled for a new input shape or a changed flag), the
+    latest compilation only. Several frames (a step with graph breaks) all count."""
+    trained = {_dynamo_graph(g) for g in graphs if g.kind == "backward"}
+    latest: dict[tuple, str] = {}
+    for g in sorted((g for g in graphs if _dynamo_graph(g) in trained), key=_compile_order):
+        frame = (g.model.sharding_id if g.model else None, g.frame) if g.frame is not None else _dynamo_graph(g)
+        latest[frame] = _dynamo_graph(g)
+    kept = set(latest.values())
+    return [g for g in graphs if _dynamo_graph(g) in kept]
+
+
+def _dynamo_graph(graph: GraphComm) -> str:
+    return graph.graph_name.split(".")[0]  # "g3.forward" -> "g3"
+
+
+def _compile_order(graph: GraphComm) -> tuple[int, str]:
+    """Dynamo graphs are numbered in compile order ("g3"); a dump read back lists them by name."""
+    number = _dynamo_graph(graph).removeprefix("g")
+    return (int(number), "") if number.isdigit() else (-1, graph.graph_name)
 
 
 # ------------------------------------------------------------------------------ the report

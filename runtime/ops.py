@@ -10,9 +10,11 @@ they are plain ZeRO-3, the numerical reference.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
+import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
 import torch.nn.functional as F
 
 from . import grad_quant, weight_quant  # noqa: F401  (register the quantization ops)
@@ -242,3 +244,57 @@ class AddPendingGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad + ctx.pending.to(grad.dtype), None
+
+
+# One typed view of each collective op's arguments, read by name from the op's schema, so that
+# passes and reports never depend on argument positions.
+
+
+class GatherParamArgs(NamedTuple):
+    """The arguments of a `zpp::all_gather_param` node."""
+
+    shard: fx.Node
+    shard_size: int
+    group_size: int
+    group_name: str
+    dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    sharding_id: int
+
+
+class ReduceGradArgs(NamedTuple):
+    """The arguments of a `zpp::reduce_grad` node."""
+
+    grad: fx.Node
+    shard_numel: int
+    group_size: int
+    group_name: str
+    dtype: torch.dtype
+
+
+class GatherFlatArgs(NamedTuple):
+    """The arguments of a `zpp::all_gather_flat` node."""
+
+    x: fx.Node
+    group_size: int
+    group_name: str
+
+
+def gather_param_args(node: fx.Node) -> GatherParamArgs:
+    return GatherParamArgs(**_named_arguments(node, torch.ops.zpp.all_gather_param.default))
+
+
+def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
+    return ReduceGradArgs(**_named_arguments(node, torch.ops.zpp.reduce_grad.default))
+
+
+def gather_flat_args(node: fx.Node) -> GatherFlatArgs:
+    return GatherFlatArgs(**_named_arguments(node, torch.ops.zpp.all_gather_flat.default))
+
+
+def _named_arguments(node: fx.Node, op: torch._ops.OpOverload) -> dict[str, Any]:
+    """`node`'s arguments by their names in `op`'s schema (Dynamo's graphs call the op's packet,
+    the joint graph its overload)."""
+    if node.target not in (op, op.overloadpacket):
+        raise TypeError(f"expected a call of {op}, got {node.format_node()}")
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs

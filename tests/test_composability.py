@@ -84,11 +84,13 @@ def test_activation_checkpointing_matches_reference(mode):
 
 
 def sequence_lengths_run(rank: int, world_size: int) -> int:
-    """Three sequence lengths through one compiled model; returns how many graphs were compiled."""
+    """Three sequence lengths through one compiled model; returns how many graphs were compiled.
+    After the recompile, comm_report() still gives one step's bytes."""
     torch.manual_seed(0)
     model = zpp.shard(TinyTransformer().to(device()))
     compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
     start = len(zpp.REGISTRY.ledger)
+    reports = []
     for seq in (5, 7, 9):
         tokens, targets = (t[rank * PER_RANK:(rank + 1) * PER_RANK, :seq].to(device()) for t in batches(1, world_size)[0])
         loss = compiled(tokens, targets)
@@ -101,7 +103,26 @@ def sequence_lengths_run(rank: int, world_size: int) -> int:
         for grad, p in zip(grads, [p for p in model.parameters() if p.grad is not None]):
             torch.testing.assert_close(grad, p.grad.full_tensor(), rtol=1e-5, atol=1e-6)
         model.zero_grad()
-    return sum(1 for g in zpp.REGISTRY.ledger[start:] if g.kind == "forward")
+        report = zpp.comm_report(model)
+        reports.append((report.intra_bytes + report.inter_bytes, len(report.rows)))
+    # Weight gathers and gradient reductions do not depend on the sequence length.
+    assert reports[0][0] > 0 and reports == [reports[0]] * 3, reports
+
+    # Another sharded model in the process: its graphs count in comm_report(), not in the first model's.
+    other = zpp.shard(TinyTransformer().to(device()))
+    tokens, targets = (t[rank * PER_RANK:(rank + 1) * PER_RANK, :5].to(device()) for t in batches(1, world_size)[0])
+    torch.compile(other, backend="zeropp", options={"inductor": False})(tokens, targets).backward()
+    mine, both = zpp.comm_report(model), zpp.comm_report()
+    assert (mine.intra_bytes + mine.inter_bytes, len(mine.rows)) == reports[0]
+    assert both.intra_bytes + both.inter_bytes == 2 * reports[0][0]  # the same architecture: the same bytes
+    compiled_graphs = sum(1 for g in zpp.REGISTRY.ledger[start:] if g.kind == "forward" and g.model.sharding_id == _id(model))
+    zpp.reset_comm_report()
+    assert not zpp.comm_report().rows
+    return compiled_graphs
+
+
+def _id(model: nn.Module) -> int:
+    return next(i for i, state in enumerate(zpp.REGISTRY.states) if state is zpp.REGISTRY.models[model])
 
 
 def test_changing_sequence_length_recompiles_at_most_once():

@@ -4,6 +4,8 @@
     step_model = torch.compile(model, backend="zeropp")
 """
 
+from torch import nn
+
 from .config import Config, ConfigError
 from .runtime.agreement import RankMismatchError
 from .runtime.cuda_graphs import release_cuda_graphs
@@ -27,15 +29,30 @@ def secondary_copy_bytes() -> int:
     return comm_report().secondary_bytes
 
 
-def comm_report() -> CommReport:
+def comm_report(model: nn.Module | None = None) -> CommReport:
     """The collectives of one training step on this rank, from the compiled graphs, against plain
-    ZeRO-3 in bf16 for the same sharded parameters and topology (`.table()`, `.to_dict()`)."""
-    return CommReport.from_graphs(REGISTRY.ledger)
+    ZeRO-3 in bf16 for the same sharded parameters and topology (`.table()`, `.to_dict()`).
+
+    Every sharded model's graphs count unless `model` (a model given to `shard`) picks one; of a
+    step Dynamo recompiled (a new sequence length, say), only the latest graphs count."""
+    graphs = REGISTRY.ledger
+    if model is not None:
+        if model not in REGISTRY.models:
+            raise ValueError(f"comm_report(model): {type(model).__name__} was not sharded by zpp_compile.shard")
+        sharding_id = next(i for i, state in enumerate(REGISTRY.states) if state is REGISTRY.models[model])
+        graphs = [g for g in graphs if g.model is not None and g.model.sharding_id == sharding_id]
+    return CommReport.from_graphs(graphs)
+
+
+def reset_comm_report() -> None:
+    """Forgets the graphs compiled so far: `comm_report()` then reports only graphs compiled after
+    this call (e.g. between benchmark variants that share a process)."""
+    REGISTRY.ledger.clear()
 
 
 __all__ = [
     "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
     "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
     "release_cuda_graphs", "save_checkpoint", "load_checkpoint", "CheckpointError", "load_full_state_dict",
-    "RankMismatchError",
+    "RankMismatchError", "reset_comm_report",
 ]

@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import CompileContext
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -28,6 +28,7 @@ from .config import Config
 from .pass_manager import PassManager
 from .runtime.agreement import check_same_gathers
 from .runtime.cuda_graphs import graphed_inner_compile
+from .runtime.ops import gather_param_args
 from .runtime.registry import REGISTRY, ShardingState
 
 
@@ -47,7 +48,7 @@ def zeropp_backend(
     # Buckets keep to layer boundaries only when sized by layer; a size in bytes may span layers.
     layers = state.layers if config.bucket_size == "layer" else ()
     config = config.with_layer_size(state.layer_nbytes)
-    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers)
+    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers, _dynamo_frame())
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)
@@ -73,6 +74,12 @@ def zeropp_backend(
     return compiled
 
 
+def _dynamo_frame() -> int | None:
+    """The id of the Python frame Dynamo is compiling (the same for each recompilation of it)."""
+    compile_id = CompileContext.current_compile_id()
+    return compile_id.frame_id if compile_id is not None else None
+
+
 def _check_on_cuda(example_inputs: Sequence[Any]) -> None:
     devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
     if devices != {"cuda"}:
@@ -85,7 +92,8 @@ def _check_on_cuda(example_inputs: Sequence[Any]) -> None:
 def _sharding_state(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> ShardingState | None:
     """The state of the sharded model whose parameters the graph gathers; errors on unsharded ones."""
     gather = torch.ops.zpp.all_gather_param
-    ids = {n.args[-1] for n in gm.graph.nodes if n.op == "call_function" and n.target in (gather, gather.default)}
+    ids = {gather_param_args(n).sharding_id for n in gm.graph.nodes
+           if n.op == "call_function" and n.target in (gather, gather.default)}
     states = {i: REGISTRY.states[i] for i in ids}
     unsharded = [t for t in example_inputs if isinstance(t, nn.Parameter) and t not in REGISTRY.params]
     if unsharded:

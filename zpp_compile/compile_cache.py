@@ -154,7 +154,8 @@ class PassCache:
         produced = {g.kind for g in manager.graphs}
         for entry in self.stored:
             if entry["kind"] not in produced:
-                comm = GraphComm.from_dict({**entry, "graph": f"{manager.graph_id}.{entry['kind']}"})
+                comm = GraphComm.from_dict({**entry, "graph": f"{manager.graph_id}.{entry['kind']}",
+                                            "frame": manager.frame})
                 manager.record(comm, restored=True)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .runtime.ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, zeropp_groups
+from .runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
 from .runtime.topology import Topology
 
 
@@ -96,15 +97,18 @@ class GraphDump:
         zpp = torch.ops.zpp
         records = []
         for node in graph.nodes:
-            if node.target is zpp.all_gather_param.default:  # (shard, shard_size, size, group, dtype, ...)
-                op, group_name, dtype = "zpp.all_gather_param", node.args[3], node.args[4]
-                per_peer = node.args[1] * dtype.itemsize
-            elif node.target is zpp.all_gather_flat.default:  # (x, size, group)
-                op, group_name, dtype = "zpp.all_gather_flat", node.args[2], node.args[0].meta["val"].dtype
-                per_peer = node.args[0].meta["val"].nbytes
-            elif node.target is zpp.reduce_grad.default:  # (grad, shard_numel, size, group, dtype)
-                op, group_name, dtype = "zpp.reduce_grad", node.args[3], node.args[4]
-                per_peer = node.args[0].meta["val"].numel() * dtype.itemsize // node.args[2]
+            if node.target is zpp.all_gather_param.default:
+                gather = gather_param_args(node)
+                op, group_name, dtype = "zpp.all_gather_param", gather.group_name, gather.dtype
+                per_peer = gather.shard_size * dtype.itemsize
+            elif node.target is zpp.all_gather_flat.default:
+                flat = gather_flat_args(node)
+                op, group_name, dtype = "zpp.all_gather_flat", flat.group_name, flat.x.meta["val"].dtype
+                per_peer = flat.x.meta["val"].nbytes
+            elif node.target is zpp.reduce_grad.default:
+                reduction = reduce_grad_args(node)
+                op, group_name, dtype = "zpp.reduce_grad", reduction.group_name, reduction.dtype
+                per_peer = reduction.grad.meta["val"].numel() * dtype.itemsize // reduction.group_size
             else:
                 continue
             group = groups.get(str(group_name))

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator
 
 import torch
 import torch.fx as fx
 from torch._dynamo.utils import dynamo_timed
+from torch._logging import trace_structured
 
 from .config import Config
 from .dump import GraphDump
 from .passes import PASSES, GraphPass, PassContext
 from .passes.fx_util import is_backward, nodes_calling
 from .runtime.ledger import GraphComm, ShardedModel, collectives_in_graph
+from .runtime.ops import gather_param_args
 from .runtime.registry import REGISTRY
 from .runtime.topology import Topology
+
+log = logging.getLogger(__name__)  # TORCH_LOGS="+zpp_compile" shows it
 
 
 def enabled_passes(config: Config) -> list[GraphPass]:
@@ -39,9 +44,11 @@ def _naming_pass_on_oom(pass_name: str, graph_name: str) -> Iterator[None]:
 class PassManager:
     """The passes for one Dynamo graph (named `graph_id`), applied stage by stage."""
 
-    def __init__(self, config: Config, topology: Topology, graph_id: str, layers: tuple[str, ...] = ()) -> None:
+    def __init__(self, config: Config, topology: Topology, graph_id: str, layers: tuple[str, ...] = (),
+                 frame: int | None = None) -> None:
         config = config.with_environment()  # ZEROPP_DUMP_DIR, ZEROPP_DISABLE_PASSES
         self.config, self.topology, self.graph_id, self.layers = config, topology, graph_id, layers
+        self.frame = frame  # the Python frame Dynamo compiles (GraphComm.frame)
         self.passes = enabled_passes(config)
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
         self.joint_done = False
@@ -65,9 +72,16 @@ class PassManager:
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
             before = self.dump.snapshot(graph) if self.dump else None
             # Timed as torch.compile times its own phases: torch._dynamo.utils.compile_times() lists each pass.
+            nodes_before = len(graph.nodes)
             with _naming_pass_on_oom(graph_pass.name, ctx.graph_name), dynamo_timed(f"zeropp.{graph_pass.name}"):
                 graph_pass.run(graph, ctx)
                 graph.lint()
+            log.debug("%s: %s, %d -> %d nodes", ctx.graph_name, graph_pass.name, nodes_before, len(graph.nodes))
+            trace_structured(  # beside Inductor's own graphs in TORCH_TRACE / tlparse
+                "artifact",
+                metadata_fn=lambda: {"name": f"zeropp_{ctx.graph_name}_{graph_pass.name}", "encoding": "string"},
+                payload_fn=lambda: graph.python_code("self").src,
+            )
             if self.dump:
                 self.dump.write_pass(f"{ctx.graph_name}.{stage}.{index:02d}.{graph_pass.name}", before, graph)
         if stage == "joint":
@@ -77,7 +91,8 @@ class PassManager:
         else:
             graph.eliminate_dead_code()
             secondary = self.secondary_bytes if kind == "forward" else 0
-            comm = GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary, self.model)
+            comm = GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary, self.model,
+                             self.frame)
             self.record(comm)
             if self.dump:
                 self.dump.write_graph(comm, graph)
@@ -99,7 +114,7 @@ class PassManager:
     def _sharded_model(self, graph: fx.Graph) -> ShardedModel | None:
         """The sharded model whose parameters `graph` gathers (the backend allows only one)."""
         for node in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
-            sharding_id = node.args[-1]
+            sharding_id = gather_param_args(node).sharding_id
             state = REGISTRY.states[sharding_id]
             return ShardedModel(sharding_id, state.padded_numel, self.topology.world_size, self.topology.ranks_per_node)
         return None

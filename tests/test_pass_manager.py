@@ -1,0 +1,35 @@
+"""The pass manager reports each pass through `logging` (TORCH_LOGS="+zpp_compile") and through
+torch's structured trace (TORCH_TRACE / tlparse), beside Inductor's own graphs."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+import zpp_compile as zpp
+from zpp_compile import pass_manager
+from zpp_compile.pass_manager import PassManager
+from zpp_compile.runtime.topology import Group, Topology
+
+
+def one_rank() -> Topology:
+    world = Group("0", (0,))
+    return Topology(0, 1, 1, torch.device("cpu"), world, world, world, None, None)
+
+
+def test_every_pass_is_logged_and_traced(caplog, monkeypatch):
+    traced = []
+    monkeypatch.setattr(pass_manager, "trace_structured",
+                        lambda kind, metadata_fn, payload_fn: traced.append((kind, metadata_fn(), payload_fn())))
+    graph = fx.symbolic_trace(lambda x: torch.relu(x) + 1).graph
+    manager = PassManager(zpp.Config(), one_rank(), "g5")
+    with caplog.at_level(logging.DEBUG, logger="zpp_compile.pass_manager"):
+        manager.run("lowering", graph)
+    # A graph without a joint stage (inference) gets the joint passes first.
+    ran = [(f"g5.{'joint' if p.stage == 'joint' else 'forward'}", p.name) for p in manager.passes]
+    assert {stage for stage, _ in ran} == {"g5.joint", "g5.forward"}
+    assert [tuple(r.getMessage().split(",")[0].split(": ")) for r in caplog.records] == ran
+    assert [meta["name"] for _, meta, _ in traced] == [f"zeropp_{graph}_{name}" for graph, name in ran]
+    assert all(kind == "artifact" and "relu" in code for kind, _, code in traced)
