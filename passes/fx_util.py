@@ -18,7 +18,8 @@ _ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argume
 
 
 def nodes_calling(graph: fx.Graph, op: Any) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and n.target is op]
+    """The calls of `op` in graph order, as a list (the passes rewrite the graph while they walk it)."""
+    return list(graph.find_nodes(op="call_function", target=op))
 
 
 def is_backward(graph: fx.Graph) -> bool:
