@@ -34,8 +34,7 @@ def all_to_all_between_nodes(x: torch.Tensor, group_size: int, group_name: str) 
 
     With two members it is an all-gather of the one chunk each sends its peer: the same bytes,
     but NCCL's network transport runs a collective over all its channels and point-to-point
-    sends over fewer (2 H200s over the socket transport, 8-128 MB per rank: 2.3-2.7 GB/s against
-    1.6-1.9 GB/s for `all_to_all_single`).
+    sends over fewer (PERFORMANCE.md has the measurement).
     """
     if group_size != 2:
         return all_to_all(x, group_size, group_name)

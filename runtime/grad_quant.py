@@ -75,7 +75,7 @@ that holds an inf marker, in ``qgz_reduce_requantize`` one with a block whose su
 (an inf marker makes it so: code * inf is +-inf or NaN, and stays so). ``qgz_dequantize_reduce`` stores through a [block,
 element] view, so that consecutive threads write consecutive 16-byte vectors (the compiler
 moves the values through shared memory); stored from the lane layout, each warp instruction
-wrote half-sectors spread over 32 lines, and fp32 outputs ran at ~30% of copy. The slice
+wrote half-sectors spread over 32 lines, far below copy bandwidth for fp32 outputs. The slice
 reordering of ``qgz_quantize`` is only the address each program reads: no transpose copy.
 
 The two reduction kernels load and sum their sources alike (``_tl_load_tile``,
@@ -89,33 +89,22 @@ their piece (unmasked), each issuing the next tile's loads (all sources, 16-byte
 the current tile's arithmetic, so that a program's loads are in flight while it computes; a
 piece's partial last tile comes after the loop. A program is one warp (TUNING): its blocks,
 their absmax and their scales stay within the warp, so the loop has no shared memory and no
-barrier (sm_90 SASS). With 4 warps Triton split a tile's blocks over the warps and each tile took
-12 barriers (scales to the tile's layout, absmax across warps). Measured against 4 warps in one
-run (H200, INT4 and INT8 sources, bf16 and fp32, 256 MB and 1 GB): 0.3 to 1.3 points of copy
-faster in 11 of 12 rows, 0.4 slower in one. A thread holds ``elems_per_thread`` elements, so
-that the prefetched words fit in registers. With INT4 sources that one tile in flight per
-program left the loads waiting on DRAM (ncu: 0.73 cycles of long-scoreboard stall per issued
-instruction), so a program also asks L2 for the tile after it (``prefetch.global.L2``, one line
-per thread: no registers; 0.23 after). Block scales are loaded and stored through a block index
+barrier (sm_90 SASS); with 4 warps Triton split a tile's blocks over the warps, and each tile
+took barriers to move the scales and the absmax between them. A thread holds
+``elems_per_thread`` elements, so that the prefetched words fit in registers. With INT4 sources
+that one tile in flight per program left the loads waiting on DRAM, so a program also asks L2
+for the tile after it (``prefetch.global.L2``, one line per thread: no registers). Block scales are loaded and stored through a block index
 laid out as the tile (``_tl_block_ids``): laid out by its contiguity, a [BPP] vector of scales
 went through shared memory, with two barriers per source and tile (in one-warp programs the
 index keeps them in registers; with 4 warps the conversion remains). Packing multiplies by a
 run-time 16 or 256 (IMAD chains): LLVM would distribute constant shifts over the sums, costing
 more instructions.
 
-Measured (H200, 2 nodes x 4 ranks, block 256, against a copy of the same bytes, see the
-benchmark): ``qgz_quantize`` and ``qgz_dequantize_reduce`` run at copy bandwidth;
-``qgz_reduce_requantize`` with INT8 sources at 95-99% (256 MB gradient) and 100-102% (1 GB),
-with INT4 sources at 78-84% and 87-91%. With INT4 sources it issues ~17.7 instructions per output
-element with 4 sources (sm_90 SASS), 12.5 of them the decode -- LOP3, FADD, FFMA per code and
-source, one shift per word: the floor of this exact decode-and-fma scheme -- against the ~20 per
-2.5 bytes that an H200 issues in the time of a copy (ncu: instructions issued in 75% of the
-cycles); at 256 MB a program walks 16 tiles, and the programs' first tiles land 2.7 to 5.3 us
-after the start (timestamps taken in the kernel, then of 4 warps): the late ones stay late, and
-the last ends ~2.8 us after the median one. Tiles claimed from atomic counters instead (one per
-piece, or one per group of programs) did not pay: with the claiming code in the loop the kernel
-ran 8 to 9 points of copy slower even when every tile was assigned statically (ptxas issued the
-next tile's loads later in the loop), and 10 to 20 slower with the claims.
+With INT4 sources ``qgz_reduce_requantize`` is bound by instructions, not bytes: the exact
+decode-and-fma (LOP3, FADD, FFMA per code and source, one shift per word) is most of what it
+issues per output element. Tiles are assigned statically: claiming them from atomic counters made
+the compiler issue the next tile's loads later in the loop. The measurements behind these choices
+are in PERFORMANCE.md ("Kernel design: what was measured").
 """
 from __future__ import annotations
 
@@ -409,7 +398,7 @@ if HAS_TRITON:
     # and a block's absmax is an in-thread max over REP*U*8 elements plus log2(G) shuffles.
     # INT4 packing and unpacking are shifts and masks of whole words (nibble k = lane k). U = 2
     # (quantize, dequantize) keeps a warp's input loads within fewer lines per instruction than
-    # U = 4 (measured: bf16 quantize 84% -> 100% of copy); the exception is the output of
+    # U = 4; the exception is the output of
     # qgz_dequantize_reduce (see _tl_dequant_tile).
 
     @triton.jit
@@ -939,9 +928,8 @@ if HAS_TRITON:
         p (unmasked unless PAD), then, if the piece ends in a partial tile (TAIL) and i == 0,
         that tile. Tiles whose sums are not all finite (RARE) get the slow path after every
         CHUNK (<= 32) tiles of the program: each block keeps a bit per tile in a register, and
-        the program combines them once per chunk, not per tile (with 4 warps per program that
-        reduction went through shared memory and barriers, and done per tile the INT4 > INT4
-        kernel ran at 69.7% of copy against 74.5%, in two runs on an H200)."""
+        the program combines them once per chunk, not per tile (a per-tile combination costs a
+        reduction across the program's threads on every tile)."""
         i = tl.program_id(0)
         nprog = tl.num_programs(0)
         p = tl.program_id(1)
@@ -1055,15 +1043,11 @@ if HAS_TRITON:
 # sizes its tiles by elems_per_thread (from prefetch_words) and runs programs_per_sm persistent
 # programs per SM, all resident at once: the launcher caps registers to fit them (a program
 # that does not fit starts when another ends and finishes alone). Its programs are one warp
-# each, 8 per SM with INT4 sources and 12 with INT8: the warps per SM that sweeps of 4-warp
-# programs chose (INT4 sources at 255 registers: 73% of copy with 2 or 4 programs per SM, 60%
-# with 3; INT8: 97% with 32 elements per thread and 3 per SM against 85% with 16 and 4), without
-# a tile's blocks split over warps (module docstring). l2_prefetch: whether a program asks L2
-# for the tile after the one in its registers (INT4 sources, 256 MB / 1 GB gradient: 82% / 90%
-# of copy with it, 73% / 79% without, 80% / 89% asking 2 tiles ahead; INT8 sources: 7-8 points
-# lower with it). Chosen by sweeps of examples/bench_grad_kernels.py on an H200; INT4 -> bf16
-# dequantize_reduce ran at 88% of copy with U = 4 and 4096 elements against 83% with the fp32
-# output's choice (which got 79% with it).
+# each, as many per SM as the best sweep of 4-warp programs had warps, without a tile's blocks
+# split over warps (module docstring). l2_prefetch: whether a program asks L2 for the tile after
+# the one in its registers (it pays with INT4 sources, not with INT8). Chosen by sweeps of
+# examples/bench_grad_kernels.py on an H200; the figures are in PERFORMANCE.md ("Kernel design:
+# what was measured").
 TUNING = {
     "quantize": {4: dict(tile_elems=8192, num_warps=4, octets=2),
                  8: dict(tile_elems=8192, num_warps=4, octets=2)},

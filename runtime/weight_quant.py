@@ -39,10 +39,10 @@ other sizes are correct but use scalar accesses. When n is a multiple of the pro
 also run without masks. Block sizes for the kernels are powers of 2 (others fall back to the
 torch twin); R, the chunk count, is a grid dimension (<= 65535). Each thread holds about 64
 elements of its blocks in quantize, 32 in dequantize (ELEMS_PER_THREAD; see the tile comment
-above the kernels): sm_90 SASS of the common path (with its per-tile rare-branch test), B = 256,
-per element: quantize 7.3 (bf16) / 6.0 (fp32) instructions, dequantize 5.7 / 5.5 (the earlier [ROWS, BLOCK] tile with a clamp and per-element
-NaN selects: 16.3 / 16.1 and 8.1 / 10.0, and bf16 quantize reached 71% of copy on an H200). Non-finite blocks are a rare
-branch that rewrites its tile from a second read, so it costs the common path no registers.
+above the kernels), so that the per-block work is amortized over many elements (instruction
+counts per element in PERFORMANCE.md, "Kernel design: what was measured"). Non-finite blocks are
+a rare branch that rewrites its tile from a second read, so it costs the common path no
+registers.
 """
 
 from __future__ import annotations
@@ -173,9 +173,8 @@ def dequantize_weight_reference(
 # Triton kernels. A program owns ROWS consecutive blocks. Tile shapes are chosen so that each
 # thread holds long runs of its blocks in registers (ELEMS_PER_THREAD, 32-64 elements):
 # the per-block work (absmax reduction across threads, two divisions, the scale store) is then
-# amortized over many elements, and the hot path is ~7 SASS instructions per element (sm_90;
-# the previous [ROWS, BLOCK] tile, with a clamp, 16-thread reductions and per-element NaN
-# selects, needed ~16, which held bf16 quantize to ~71% of copy bandwidth on an H200).
+# amortized over many elements, and the hot path has no clamp, no cross-thread reduction per
+# element group and no per-element NaN select.
 #
 # Quantize tile [ROWS, REP, C]: element (r, j, c) is block r, element j*C + c. Triton's blocked
 # layout then puts 16 consecutive elements (one 16-byte vector of int8 codes) per thread along
@@ -328,8 +327,8 @@ if HAS_TRITON:
             tl.store(optr + offs, res, mask=mask)
 
 
-# Default register tile per thread (elements), see _tile. Dequantize holds less: its fp32 output
-# measured ~1% of copy faster with 32 than with 64 (H200).
+# Default register tile per thread (elements), see _tile. Dequantize holds less, which its fp32
+# output measured faster with (PERFORMANCE.md, "Kernel design: what was measured").
 ELEMS_PER_THREAD = {"quantize": 64, "dequantize": 32}
 
 
