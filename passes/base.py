@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+from ..runtime.ops import gather_param_args, reduce_grad_args
+
 # Node metadata set on the gather of a parameter read in several places (gather_once): its weight
 # is held from the first read to the last, so bucketing keeps it apart from weights read once.
 READ_REPEATEDLY = "zpp_read_repeatedly"
@@ -23,6 +25,25 @@ FULL_PRECISION = "zpp_full_precision"
 # Node metadata set on the copies of forward nodes that activation checkpointing makes for
 # backward: passes that treat backward's uses of a weight apart (hpZ) treat these uses alike.
 RECOMPUTED = "zpp_recomputed"
+
+
+def weight_block_size(config: Any, gather: fx.Node) -> int:
+    """The qwZ block size for a parameter gather (a rule the quantizing passes and bucketing
+    share); 0 means gather it unquantized (qwZ off, a shard smaller than one block, which
+    quantizing would not make smaller, or a bucket of such shards)."""
+    block, shard_size = config.weight_block_size, gather_param_args(gather).shard_size
+    wanted = config.quantized_weights and shard_size >= block and not gather.meta.get(FULL_PRECISION)
+    return block if wanted else 0
+
+
+def gradient_block_size(config: Any, reduction: fx.Node) -> int:
+    """The qgZ block size for a gradient reduction; 0 means reduce it in full precision (qgZ off,
+    a shard smaller than one block, whose scales would outweigh the saving, or a bucket of such)."""
+    args = reduce_grad_args(reduction)
+    block = config.gradient_block_size
+    shard_numel = args.grad.meta["val"].numel() // args.group_size
+    wanted = config.quantized_gradients and shard_numel >= block and not reduction.meta.get(FULL_PRECISION)
+    return block if wanted else 0
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..runtime.ops import gather_param_args, reduce_grad_args
-from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext
+from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext, gradient_block_size, weight_block_size
 from .fx_util import gathered_param, hoist, insert_traced, layer_of, nodes_calling, sink_users
-from .quantize_gradients import gradient_block_size
-from .quantize_weights import weight_block_size
 
 
 @dataclass

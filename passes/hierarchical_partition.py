@@ -7,9 +7,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.ops import gather_param_args, gather_secondary, quantize_and_gather, secondary_slice
-from .base import RECOMPUTED, PassContext
+from .base import RECOMPUTED, PassContext, weight_block_size
 from .fx_util import backward_nodes, insert_traced, nodes_calling, replace_with_traced, weight_chain
-from .quantize_weights import weight_block_size
 
 
 def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ..runtime.ops import reduce_grad_args, reduce_grad_quantized
-from .base import FULL_PRECISION, PassContext
+from .base import PassContext, gradient_block_size
 from .fx_util import nodes_calling, replace_with_traced
-
-
-def gradient_block_size(config: Any, reduction: fx.Node) -> int:
-    """The qgZ block size for a gradient reduction; 0 means reduce it in full precision (qgZ off,
-    a shard smaller than one block, whose scales would outweigh the saving, or a bucket of such)."""
-    args = reduce_grad_args(reduction)
-    block = config.gradient_block_size
-    shard_numel = args.grad.meta["val"].numel() // args.group_size
-    wanted = config.quantized_gradients and shard_numel >= block and not reduction.meta.get(FULL_PRECISION)
-    return block if wanted else 0
 
 
 def quantize_gradients(graph: fx.Graph, ctx: PassContext) -> None:

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ..runtime.ops import gather_param_args, gather_param_quantized
-from .base import FULL_PRECISION, PassContext
+from .base import PassContext, weight_block_size
 from .fx_util import nodes_calling, replace_with_traced
-
-
-def weight_block_size(config: Any, gather: fx.Node) -> int:
-    """The qwZ block size for a parameter gather; 0 means gather it unquantized (qwZ off, a shard
-    smaller than one block, which quantizing would not make smaller, or a bucket of such shards)."""
-    block, shard_size = config.weight_block_size, gather_param_args(gather).shard_size
-    wanted = config.quantized_weights and shard_size >= block and not gather.meta.get(FULL_PRECISION)
-    return block if wanted else 0
 
 
 def quantize_weights(graph: fx.Graph, ctx: PassContext) -> None:
