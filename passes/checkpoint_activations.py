@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.ops import gather_param_args
+from ..runtime.registry import REGISTRY
 from .base import RECOMPUTED, PassContext
 from .fx_util import ancestors, backward_nodes, layer_of, nodes_calling, weight_chain
 
@@ -59,7 +60,6 @@ def checkpoint_activations(graph: fx.Graph, ctx: PassContext) -> None:
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
     if not backward or not gathers:  # an inference graph, or one without parameters
         return
-    from ..runtime.registry import REGISTRY  # here: the registry imports the passes (through the ledger)
 
     layers = REGISTRY.states[gather_param_args(gathers[0]).sharding_id].layers  # the model's, whatever bucket_size is
     weights = set().union(*(weight_chain(g) for g in gathers), *(ancestors(g) for g in gathers))

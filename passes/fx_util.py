@@ -13,6 +13,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..runtime.ops import gather_param_args
+from ..runtime.registry import REGISTRY
 
 _ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argument: L['self']
 
@@ -38,8 +39,6 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
     the same function, constants and argument shapes, as every identical layer of a model asks
     for; the copy's values are computed afresh, in this graph's fake mode.
     """
-    from ..runtime.registry import REGISTRY  # here: the registry's ledger imports this module
-
     tensor_args = [a for a in args if isinstance(a, fx.Node)]
     values = [a.meta["val"] for a in tensor_args]
     key = _trace_key(fn, args, values)

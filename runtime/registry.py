@@ -13,12 +13,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .ledger import GraphComm
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from ..ledger import GraphComm
 
 
 @dataclass(frozen=True)

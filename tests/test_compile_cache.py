@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 import zpp_compile as zpp
 from zpp_compile.compile_cache import PassCache, passes_key, to_local_as_method
 from zpp_compile.pass_manager import PassManager
-from zpp_compile.runtime.ledger import CommReport, GraphComm
+from zpp_compile.ledger import CommReport, GraphComm
 from zpp_compile.runtime.topology import Group, Topology
 from distributed import device, run_ranks
 

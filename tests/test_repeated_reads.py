@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zpp_compile as zpp
-from zpp_compile.runtime.ledger import PHASES
+from zpp_compile.ledger import PHASES
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 

@@ -17,7 +17,7 @@ from zpp_compile import pass_manager
 from zpp_compile.passes import PassContext, fx_util, schedule_overlap
 from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
-from zpp_compile.runtime.ledger import PHASES, collectives_by_node, phase_of
+from zpp_compile.ledger import PHASES, collectives_by_node, phase_of
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.sharding import _layers
 from distributed import device, run_ranks

@@ -9,7 +9,7 @@ from torch import nn
 from .config import Config, ConfigError
 from .runtime.agreement import RankMismatchError
 from .runtime.cuda_graphs import release_cuda_graphs
-from .runtime.ledger import CommReport
+from .ledger import CommReport
 from .runtime.registry import REGISTRY
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .grad_sync import no_sync, set_requires_gradient_sync

@@ -31,7 +31,7 @@ from .config import DISABLE_PASSES_ENV, DUMP_DIR_ENV, Config, ConfigError
 from .dump import read_pass_summary
 from .explain import predict
 from .passes import PASSES
-from .runtime.ledger import CommReport, GraphComm
+from .ledger import CommReport, GraphComm
 
 
 class UsageError(Exception):

@@ -31,7 +31,7 @@ import torch._inductor.config as inductor_config
 import torch.fx as fx
 from torch._inductor.runtime.runtime_utils import cache_dir
 
-from .runtime.ledger import GraphComm
+from .ledger import GraphComm
 
 if TYPE_CHECKING:
     from .pass_manager import PassManager

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .runtime.ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, zeropp_groups
+from .ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, zeropp_groups
 from .runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
 from .runtime.topology import Topology
 

@@ -15,7 +15,7 @@ from .config import Config
 from .dump import GraphDump
 from .passes import PASSES, GraphPass, PassContext
 from .passes.fx_util import is_backward, nodes_calling
-from .runtime.ledger import GraphComm, ShardedModel, collectives_in_graph
+from .ledger import GraphComm, ShardedModel, collectives_in_graph
 from .runtime.ops import gather_param_args
 from .runtime.registry import REGISTRY
 from .runtime.topology import Topology

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..passes.fx_util import backward_nodes
-from .topology import Group, Topology
+from .passes.fx_util import backward_nodes
+from .runtime.topology import Group, Topology
 
 _c10d = torch.ops._c10d_functional
 _OPS = {
