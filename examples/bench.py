@@ -10,10 +10,11 @@ Models (--model): "gpt", the byte-level GPT of examples/gpt.py trained on the st
 source (--dim, --heads, --layers); or HF transformers' LlamaForCausalLM built from a config with the
 shapes of Llama-3.2-1B ("llama-1b": width 2048, 16 layers, 32 heads, 8 key/value heads, MLP 8192,
 tied embeddings), Llama-3.2-3B ("llama-3b": 3072, 28, 24, 8, 8192, tied) or Llama-3.1-8B
-("llama-8b": 4096, 32, 32, 8, 14336, untied), vocabulary 128256, rope_theta 500000 (without
-Llama 3's long-context frequency scaling, which costs nothing), causal SDPA attention without a
-mask tensor (`causal_sdpa`), trained on random token ids; "llama-tiny" is the same architecture at CPU-test size (--layers overrides the
-depth of any). transformers is needed for the Llama models only, DeepSpeed for its variants only.
+("llama-8b": 4096, 32, 32, 8, 14336, untied), vocabulary 128256, rope_theta 500000 (without Llama
+3's long-context frequency scaling, which costs nothing), causal SDPA attention without a mask
+tensor (`causal_sdpa`), trained on random token ids; "llama-tiny" is the same architecture at
+CPU-test size (--layers overrides the depth of any). transformers is needed for the Llama models
+only, DeepSpeed for its variants only.
 
 Variants (each a fresh model from the same seed, trained on the same batches):
 
@@ -196,7 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="timed steps per variant (default 10 on GPUs, 2 on CPU)")
     p.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3, 1 on CPU)")
     p.add_argument("--rounds", type=int, default=1, help="runs of each variant, taking turns; the median is reported")
-    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for exposed communication (GPU; 0: off)")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps profiled for exposed communication (GPU; 0: off)")
     p.add_argument("--trace-dir", help="keep each variant's profiler trace (host and GPU) and op table here (GPU)")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
     p.add_argument("--zpp-reduce-dtype", choices=sorted(DTYPES), default="bf16", help="zeropp's gradient reduce dtype")
@@ -461,7 +463,8 @@ def nccl_durations(kernels: list[tuple[str, float, float]]) -> dict[str, list[fl
     return dict(durations)
 
 
-def transfer_times(kernels: list[tuple[str, float, float]], everyone: list[dict[str, list[float]]]) -> list[float] | None:
+def transfer_times(kernels: list[tuple[str, float, float]],
+                   everyone: list[dict[str, list[float]]]) -> list[float] | None:
     """Per NCCL kernel of `kernels` (in order), the collective's shortest kernel over the ranks'
     `nccl_durations`; NCCL runs a communicator's collectives in issue order, so the i-th kernel
     of a name is the same collective on every rank. None if the ranks ran different collectives."""
@@ -490,7 +493,8 @@ def exposed_and_peer_wait(kernels: list[tuple[str, float, float]], wall_us: floa
     return exposed / wall_us, (in_nccl_alone - exposed) / wall_us
 
 
-def profiled_kernels(run: Callable[[], None], trace_prefix: str | None = None) -> tuple[list[tuple[str, float, float]], float]:
+def profiled_kernels(run: Callable[[], None],
+                     trace_prefix: str | None = None) -> tuple[list[tuple[str, float, float]], float]:
     """(name, start, end) of every GPU kernel while `run` executes, in start order, and the wall
     time in microseconds (CUDA only). With `trace_prefix`, host activity is recorded too and the
     trace (`.json.gz`) and a table of the most expensive ops (`.txt`) are kept there."""
@@ -626,7 +630,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     }
     if variant.system == "deepspeed" and hasattr(step_model, "destroy"):
         step_model.destroy()  # its hooks and buffers, before the next variant is measured
-    del step_model, model, optimize
+    step_model = model = optimize = None  # the variant's memory goes before the next one's
     release_memory(device)
     return result
 
@@ -654,7 +658,8 @@ def comm_bytes(variant: Variant, shard_numel: int, world: int, ranks_per_node: i
         source, phases = "analytic", None
     ratio = lambda value, base: value / base if base else None  # noqa: E731 (no inter-node bytes on one node)
     return {"intra_bytes": intra, "inter_bytes": inter, "bytes_source": source, "phases": phases,
-            "inter_ratio": ratio(inter, baseline_inter), "total_ratio": ratio(intra + inter, baseline_intra + baseline_inter)}
+            "inter_ratio": ratio(inter, baseline_inter),
+            "total_ratio": ratio(intra + inter, baseline_intra + baseline_inter)}
 
 
 def release_memory(device: torch.device) -> None:
@@ -704,8 +709,9 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['name']:<18} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>8.1f} "
             f"{fmt(r['mfu'], '6.1%')} {r['first_step_s']:>6.1f} "
             f"{fmt(peak, '8.2f')} {fmt(inter, '9.1f')} {r['bytes_source']:<8} {fmt(r['inter_ratio'], '7.3f')} "
-            f"{fmt(r['exposed_comm_fraction'], '7.1%')} {fmt(r['peer_wait_fraction'], '6.1%')} {fmt(r['vs_fsdp2_default'], '7.2f')} "
-            f"{fmt(r['vs_fsdp2_equal_memory'], '7.2f')} {r['fsdp2_equal_memory'] or '-':<18} {fmt(r['vs_zero3'], '7.2f')} "
+            f"{fmt(r['exposed_comm_fraction'], '7.1%')} {fmt(r['peer_wait_fraction'], '6.1%')} "
+            f"{fmt(r['vs_fsdp2_default'], '7.2f')} {fmt(r['vs_fsdp2_equal_memory'], '7.2f')} "
+            f"{r['fsdp2_equal_memory'] or '-':<18} {fmt(r['vs_zero3'], '7.2f')} "
             f"{fmt(r['memory_vs_fsdp2_equal_memory'], '6.2f')}")
     return "\n".join(lines)
 
@@ -791,7 +797,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "bf16 dense, H100/H200 SXM" if peak else None),
     }
     if rank == 0:
-        print(f"bench: {world} ranks as {world // ranks_per_node} emulated nodes x {ranks_per_node}, {setup['device']}, "
+        print(f"bench: {world} ranks as {world // ranks_per_node} emulated nodes x {ranks_per_node}, "
+              f"{setup['device']}, "
               f"link {setup['link']}, {described}", flush=True)
         if peak:
             print(f"MFU against a peak of {peak:.0f} TFLOP/s per GPU ({setup['peak_tflops_source']})", flush=True)
@@ -804,7 +811,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             r = run_variant(variants[name], args, data, env, label)
             rounds[name].append(r)
             if rank == 0:
-                print(f"  {label:<24} {r['ms_per_step']:8.1f} ms/step (host issues a step in {r['host_ms_per_step']:.1f} ms) "
+                print(f"  {label:<24} {r['ms_per_step']:8.1f} ms/step "
+                      f"(host issues a step in {r['host_ms_per_step']:.1f} ms) "
                       f"{r['tokens_per_s']:>10,.0f} tokens/s  (first step {r['first_step_s']:.1f} s, "
                       f"warmup {r['warmup_s']:.1f} s)", flush=True)
     results = [median_round(rounds[name]) for name in names]

@@ -93,7 +93,6 @@ def copy_bandwidth(nbytes: int, device: torch.device, reps: int, iters: int) -> 
     src = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(sets)]
     dst = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(sets)]
     t = time_median(lambda i: dst[i].copy_(src[i]), sets, device, reps, iters)
-    del src, dst
     return {"bytes": 2 * nbytes, "time_us": t * 1e6, "gbps": 2 * nbytes / t / 1e9}
 
 
@@ -184,7 +183,7 @@ def weight_quant_sweep(args, device: torch.device, copy: dict) -> list[dict]:
                              "pct_copy": 100 * gbps / copy["gbps"]})
                 print(f"{name:<16} {dtype_name:<5} {ept:>7} {warps:>5} {t * 1e6:>10.1f} {gbps:>9.1f} "
                       f"{rows[-1]['pct_copy']:>6.1f}%")
-        del xs, packs
+        xs = packs = None  # freed before the cache is emptied
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

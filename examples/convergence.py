@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    p.add_argument("--final-window", type=int, help="last steps averaged for the final loss (default 50, at most --steps)")
+    p.add_argument("--final-window", type=int,
+                   help="last steps averaged for the final loss (default 50, at most --steps)")
     p.add_argument("--val-batches", type=int, default=16, help="held-out batches per rank")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient reduce dtype")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
@@ -111,7 +112,8 @@ class ByteLlama(nn.Module):
         config = transformers.LlamaConfig(
             vocab_size=256, hidden_size=args.dim, intermediate_size=ffn, num_hidden_layers=args.layers,
             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
-            rope_theta=10000.0, tie_word_embeddings=True, use_cache=False, attn_implementation=causal_sdpa(transformers),
+            rope_theta=10000.0, tie_word_embeddings=True, use_cache=False,
+            attn_implementation=causal_sdpa(transformers),
         )
         self.llama = transformers.LlamaForCausalLM(config)
 
@@ -185,7 +187,8 @@ def interval(differences: list[float]) -> tuple[float, float, float]:
     mean = statistics.fmean(differences)
     if len(differences) < 2:
         return mean, math.nan, math.nan
-    half = T_975[min(len(differences) - 1, len(T_975)) - 1] * statistics.stdev(differences) / math.sqrt(len(differences))
+    t = T_975[min(len(differences) - 1, len(T_975)) - 1]
+    half = t * statistics.stdev(differences) / math.sqrt(len(differences))
     return mean, mean - half, mean + half
 
 

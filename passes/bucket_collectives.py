@@ -64,7 +64,8 @@ def _reduce_key(node: fx.Node, config: Any) -> tuple:
 
 
 def _nbytes(node: fx.Node) -> int:
-    value = node.meta["val"] if node.target is torch.ops.zpp.all_gather_param.default else reduce_grad_args(node).grad.meta["val"]
+    gather = node.target is torch.ops.zpp.all_gather_param.default
+    value = node.meta["val"] if gather else reduce_grad_args(node).grad.meta["val"]
     return value.numel() * value.element_size()
 
 

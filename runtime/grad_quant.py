@@ -54,51 +54,50 @@ cheaper on the GPU and more accurate; the twin computes it exactly with a float6
 sum, see ``_fma_f32``.)
 
 How the Triton kernels stay bit-exact: launched with ``enable_fp_fusion=False`` (no implicit
-contraction), explicit ``tl.fma`` where the formula has one; divisions by ``tl.math.div_rn``;
-rint and float->int via ``bitcast(t + 1.5 * 2**23)`` (exact round-half-even for ``|t| < 2**22``);
-codes -> float via ``bitcast(field ^ E) - bias`` (``_tl_decode``), exact. Under the interpreter (whose fma rounds twice and whose bf16
-conversion truncates) the fma is emulated as in the twin and bf16 is decoded / encoded with bit
-operations. The GPU path is checked against the twins by ``examples/bench_grad_kernels.py``
-(column "exact").
+contraction), explicit ``tl.fma`` where the formula has one; divisions by ``tl.math.div_rn``; rint
+and float->int via ``bitcast(t + 1.5 * 2**23)`` (exact round-half-even for ``|t| < 2**22``); codes
+-> float via ``bitcast(field ^ E) - bias`` (``_tl_decode``), exact. Under the interpreter (whose fma
+rounds twice and whose bf16 conversion truncates) the fma is emulated as in the twin and bf16 is
+decoded / encoded with bit operations. The GPU path is checked against the twins by
+``examples/bench_grad_kernels.py`` (column "exact").
 
-Kernel design (memory bound; target >= 85% of copy bandwidth at >= 256 MB): a program works on
-2-D tiles of ``BPP`` whole blocks (``TUNING``, per kernel and input bits: 2K-8K elements) of
-one piece, one tile per program except in ``qgz_reduce_requantize``. The tile lives in
-registers as 8 "lanes" (lane k = elements 8i + k), so one int32 word of INT4 codes (or two of
-INT8) is one column of the lanes: packing and unpacking are shifts and masks of whole words,
-with no conversion instructions (the conversion unit runs at 1/8 of the FP32 rate on Hopper).
-Block absmax: elementwise max over the lanes, then one row reduction. The reduction kernels sum
-the sources inside the program (each source read once, all loads in flight together;
-accumulators in registers), always on the fast path; a tile that needs more (rare,
-tile-uniform) is done again on the slow path, overwriting it: in ``qgz_dequantize_reduce`` one
-that holds an inf marker, in ``qgz_reduce_requantize`` one with a block whose sum is not finite
-(an inf marker makes it so: code * inf is +-inf or NaN, and stays so). ``qgz_dequantize_reduce`` stores through a [block,
-element] view, so that consecutive threads write consecutive 16-byte vectors (the compiler
-moves the values through shared memory); stored from the lane layout, each warp instruction
-wrote half-sectors spread over 32 lines, far below copy bandwidth for fp32 outputs. The slice
-reordering of ``qgz_quantize`` is only the address each program reads: no transpose copy.
+Kernel design (memory bound; target >= 85% of copy bandwidth at >= 256 MB): a program works on 2-D
+tiles of ``BPP`` whole blocks (``TUNING``, per kernel and input bits: 2K-8K elements) of one piece,
+one tile per program except in ``qgz_reduce_requantize``. The tile lives in registers as 8 "lanes"
+(lane k = elements 8i + k), so one int32 word of INT4 codes (or two of INT8) is one column of the
+lanes: packing and unpacking are shifts and masks of whole words, with no conversion instructions
+(the conversion unit runs at 1/8 of the FP32 rate on Hopper). Block absmax: elementwise max over the
+lanes, then one row reduction. The reduction kernels sum the sources inside the program (each source
+read once, all loads in flight together; accumulators in registers), always on the fast path; a tile
+that needs more (rare, tile-uniform) is done again on the slow path, overwriting it: in
+``qgz_dequantize_reduce`` one that holds an inf marker, in ``qgz_reduce_requantize`` one with a
+block whose sum is not finite (an inf marker makes it so: code * inf is +-inf or NaN, and stays so).
+``qgz_dequantize_reduce`` stores through a [block, element] view, so that consecutive threads write
+consecutive 16-byte vectors (the compiler moves the values through shared memory); stored from the
+lane layout, each warp instruction wrote half-sectors spread over 32 lines, far below copy bandwidth
+for fp32 outputs. The slice reordering of ``qgz_quantize`` is only the address each program reads:
+no transpose copy.
 
-The two reduction kernels load and sum their sources alike (``_tl_load_tile``,
-``_tl_sum_tile``). The decode yields each code itself (``_tl_decode``), not code * 2**POS, so
-the FFMA takes the block's scale as loaded (no scaled copies of it, no exactness condition on it:
-subnormal scales stay on the fast path); INT8 codes are read as 16-byte vectors.
-``qgz_reduce_requantize`` reads K sources per output element: there instructions and load
-latency show. Its grid is persistent: ``programs_per_sm`` programs per SM, split over the
-pieces, all resident at once (the launcher caps their registers to fit), walk the full tiles of
-their piece (unmasked), each issuing the next tile's loads (all sources, 16-byte vectors) before
-the current tile's arithmetic, so that a program's loads are in flight while it computes; a
-piece's partial last tile comes after the loop. A program is one warp (TUNING): its blocks,
-their absmax and their scales stay within the warp, so the loop has no shared memory and no
-barrier (sm_90 SASS); with 4 warps Triton split a tile's blocks over the warps, and each tile
-took barriers to move the scales and the absmax between them. A thread holds
-``elems_per_thread`` elements, so that the prefetched words fit in registers. With INT4 sources
-that one tile in flight per program left the loads waiting on DRAM, so a program also asks L2
-for the tile after it (``prefetch.global.L2``, one line per thread: no registers). Block scales are loaded and stored through a block index
-laid out as the tile (``_tl_block_ids``): laid out by its contiguity, a [BPP] vector of scales
-went through shared memory, with two barriers per source and tile (in one-warp programs the
-index keeps them in registers; with 4 warps the conversion remains). Packing multiplies by a
-run-time 16 or 256 (IMAD chains): LLVM would distribute constant shifts over the sums, costing
-more instructions.
+The two reduction kernels load and sum their sources alike (``_tl_load_tile``, ``_tl_sum_tile``).
+The decode yields each code itself (``_tl_decode``), not code * 2**POS, so the FFMA takes the
+block's scale as loaded (no scaled copies of it, no exactness condition on it: subnormal scales stay
+on the fast path); INT8 codes are read as 16-byte vectors. ``qgz_reduce_requantize`` reads K sources
+per output element: there instructions and load latency show. Its grid is persistent:
+``programs_per_sm`` programs per SM, split over the pieces, all resident at once (the launcher caps
+their registers to fit), walk the full tiles of their piece (unmasked), each issuing the next tile's
+loads (all sources, 16-byte vectors) before the current tile's arithmetic, so that a program's loads
+are in flight while it computes; a piece's partial last tile comes after the loop. A program is one
+warp (TUNING): its blocks, their absmax and their scales stay within the warp, so the loop has no
+shared memory and no barrier (sm_90 SASS); with 4 warps Triton split a tile's blocks over the warps,
+and each tile took barriers to move the scales and the absmax between them. A thread holds
+``elems_per_thread`` elements, so that the prefetched words fit in registers. With INT4 sources that
+one tile in flight per program left the loads waiting on DRAM, so a program also asks L2 for the
+tile after it (``prefetch.global.L2``, one line per thread: no registers). Block scales are loaded
+and stored through a block index laid out as the tile (``_tl_block_ids``): laid out by its
+contiguity, a [BPP] vector of scales went through shared memory, with two barriers per source and
+tile (in one-warp programs the index keeps them in registers; with 4 warps the conversion remains).
+Packing multiplies by a run-time 16 or 256 (IMAD chains): LLVM would distribute constant shifts over
+the sums, costing more instructions.
 
 With INT4 sources ``qgz_reduce_requantize`` is bound by instructions, not bytes: the exact
 decode-and-fma (LOP3, FADD, FFMA per code and source, one shift per word) is most of what it
@@ -538,10 +537,10 @@ if HAS_TRITON:
         PAD: tl.constexpr = (OB & (OB - 1)) != 0       # octets per block not a power of 2
         MASKED: tl.constexpr = (not EVEN) or PAD
         pid = tl.program_id(0)
-        o = tl.program_id(1)            # output piece: destination local rank l outer, node m inner
-        l = o // N
+        o = tl.program_id(1)            # output piece: destination local rank r outer, node m inner
+        local = o // N
         mm = o % N
-        shard = mm * R + l              # the reorder: read shard (m, l) of g viewed [N, R, S]
+        shard = mm * R + local          # the reorder: read shard (m, r) of g viewed [N, R, S]
         blk = pid * BPP + tl.arange(0, BPP)
         oc, oin = _tl_octets(G, BPP, REP, U, OB)
         omask = (oin < OB) & (blk < nb)[None, :, None, None]      # codes to store

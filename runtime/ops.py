@@ -79,7 +79,8 @@ def reduce_grad_quantized(
         return shard[:shard_numel]
     packed = torch.ops.zpp.qgz_quantize(grad, nodes, local, intra_bits, block_size)
     received = all_to_all(packed, local, intra_group)
-    partial = torch.ops.zpp.qgz_reduce_requantize(received, local, nodes, shard_size, intra_bits, inter_bits, block_size)
+    partial = torch.ops.zpp.qgz_reduce_requantize(received, local, nodes, shard_size, intra_bits, inter_bits,
+                                                  block_size)
     received = all_to_all_between_nodes(partial, nodes, inter_group)
     shard = torch.ops.zpp.qgz_dequantize_reduce(received, nodes, shard_size, inter_bits, block_size, dtype, mean)
     return shard[:shard_numel]

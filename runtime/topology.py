@@ -87,7 +87,7 @@ def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: floa
 
     world, world_pg = my_group([list(range(world_size))])
     intra, _ = my_group([list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(num_nodes)])
-    inter, _ = my_group([list(range(l, world_size, ranks_per_node)) for l in range(ranks_per_node)])
+    inter, _ = my_group([list(range(local, world_size, ranks_per_node)) for local in range(ranks_per_node)])
     secondary = None
     if hpz_partition_size:
         size = hpz_partition_size
