@@ -117,8 +117,14 @@ def saved_tensor_shapes(rank: int, world_size: int, options: dict) -> list[tuple
         loss = compiled(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device()))
     loss.backward()
 
+    # A rank's own shard may hold a whole small parameter (a 0-d one on rank 0); saving the shard
+    # itself costs nothing: only copies count.
+    shards = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+
     def is_weight(t: torch.Tensor) -> bool:  # a weight, then nothing or the zeros that pad it
         flat = t.detach().reshape(-1)
+        if t.untyped_storage().data_ptr() in shards:
+            return False
         return any(flat.numel() >= w.numel() and torch.equal(flat[:w.numel()], w) and not flat[w.numel():].any()
                    for w in weights)
 
