@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import zpp_compile as zpp
+
 BACKEND = os.environ.get("ZPP_TEST_BACKEND", "gloo")
 
 
@@ -57,6 +59,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     if errors:
         raise AssertionError("\n".join(errors))
     return [outcome[r][1] for r in range(world_size)]
+
+
+def in_turn(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
+    """fn(rank, world_size, *args) for each (fn, *args) of `calls` in turn, on one spawned group:
+    several checks pay for one process start. Before each, Dynamo forgets the previous call's
+    graphs and the ledger its collectives (what comm_report and secondary_copy_bytes read)."""
+    results = []
+    for fn, *args in calls:
+        torch._dynamo.reset()
+        zpp.REGISTRY.ledger.clear()
+        results.append(fn(rank, world_size, *args))
+    return results
+
+
+def for_each_config(rank: int, world_size: int, fn: Callable[..., Any], configs: list[Any]) -> list[Any]:
+    """fn(rank, world_size, config) for each config, in turn on one spawned group (`in_turn`)."""
+    return in_turn(rank, world_size, [(fn, config) for config in configs])
 
 
 def _rank_main(fn, rank, world_size, port, results, args) -> None:

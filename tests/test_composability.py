@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
-from distributed import device, run_ranks
+from distributed import device, in_turn, run_ranks
 from models import CheckpointedTransformer, TinyTransformer, batches
 from test_zero3 import PER_RANK, train_sharded
 
@@ -59,8 +59,17 @@ def no_sync_runs(rank: int, world_size: int) -> None:
     no_sync_run(rank, world_size, compiled=True)
 
 
-def test_no_sync_accumulation_matches_reference():
-    run_ranks(no_sync_runs, 2)
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    """results[rank][name]: what each of these runs returned on each rank, all from one spawned
+    group (a run that fails fails every test that reads this)."""
+    calls = {"no sync": (no_sync_runs,), "sequence lengths": (sequence_lengths_run,),
+             "bfloat16 after shard": (bfloat16_after_shard_run,)}
+    return [dict(zip(calls, returned)) for returned in run_ranks(in_turn, 2, list(calls.values()))]
+
+
+def test_no_sync_accumulation_matches_reference(results):
+    """no_sync_runs compares with the reference on each rank, in `results`."""
 
 
 # torch: with DTensor parameters, an RNG-functionalized op (scaled_dot_product_attention) inside a
@@ -125,9 +134,9 @@ def _id(model: nn.Module) -> int:
     return next(i for i, state in enumerate(zpp.REGISTRY.states) if state is zpp.REGISTRY.models[model])
 
 
-def test_changing_sequence_length_recompiles_at_most_once():
+def test_changing_sequence_length_recompiles_at_most_once(results):
     # The second length makes Dynamo mark it dynamic; the third reuses that graph.
-    assert run_ranks(sequence_lengths_run, 2) == [2, 2]
+    assert [returned["sequence lengths"] for returned in results] == [2, 2]
 
 
 def bfloat16_after_shard_run(rank: int, world_size: int) -> None:
@@ -172,8 +181,8 @@ def bfloat16_after_shard_run(rank: int, world_size: int) -> None:
         model.to("meta")
 
 
-def test_bfloat16_conversion_after_shard_matches_reference():
-    run_ranks(bfloat16_after_shard_run, 2)
+def test_bfloat16_conversion_after_shard_matches_reference(results):
+    """bfloat16_after_shard_run compares with the reference on each rank, in `results`."""
 
 
 def causal_lm_run(rank: int, world_size: int) -> list[float]:

@@ -1,4 +1,7 @@
-"""hpZ: backward weight gathers stay inside the node, from a secondary copy made in forward."""
+"""hpZ: backward weight gathers stay inside the node, from a secondary copy made in forward.
+
+The checks of each world size share one spawned group (`runs`): each test reads its own run's
+result, and a run that fails fails the tests of its world size."""
 
 from __future__ import annotations
 
@@ -6,24 +9,62 @@ import pytest
 import torch
 
 import zpp_compile as zpp
-from distributed import device, run_ranks
+from distributed import device, in_turn, run_ranks
 from models import TinyTransformer, batches
 from test_qwz import qwz_runs
 from test_zero3 import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train_sharded
 
 TWO_NODES = {"ranks_per_node": 2, "hpz_partition_size": 2}
+FULL_LOCAL_COPY = {"hpz_partition_size": 1}
+SMALL_BLOCKS = {"weight_block_size": 64}  # small enough that the tiny model's weights are quantized
+
+
+def runs(world_size: int) -> dict[str, tuple]:
+    """The runs of the tests at `world_size`, by name: (rank function, its arguments)."""
+    if world_size == 2:
+        return {
+            **{f"full local copy, ranks_per_node={n}": (train_sharded, "aot", {**FULL_LOCAL_COPY, "ranks_per_node": n})
+               for n in (1, 2)},
+            "full local copy gathers": (gathers_by_graph, FULL_LOCAL_COPY),
+            "saved tensors": (saved_tensor_shapes, {"hpz_partition_size": 2}),
+            "eval and accumulation": (eval_and_accumulation,),
+        }
+    return {
+        "two nodes": (train_sharded, "aot", TWO_NODES),
+        "two node gathers": (gathers_by_graph, {**TWO_NODES, **SMALL_BLOCKS}),
+        "two node gathers with qwz": (gathers_by_graph, {**TWO_NODES, **SMALL_BLOCKS, "quantized_weights": True}),
+        "with qwz": (qwz_runs, 2, {"hpz_partition_size": 2}, ("aot",)),
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    """results(world_size)[rank][name]: what each of `runs(world_size)` returned on each rank,
+    from one spawned group per world size, run when a test first asks for it."""
+    by_world: dict[int, list[dict]] = {}
+
+    def of_world(world_size: int) -> list[dict]:
+        if world_size not in by_world:
+            calls = runs(world_size)
+            by_world[world_size] = [dict(zip(calls, returned))
+                                    for returned in run_ranks(in_turn, world_size, list(calls.values()))]
+        return by_world[world_size]
+
+    return of_world
 
 
 @needs_4_ranks
-def test_hpz_two_nodes_matches_unsharded_reference():
+def test_hpz_two_nodes_matches_unsharded_reference(results):
     # 3 SGD steps: each forward after an optimizer step must build a fresh secondary copy.
     # (Inductor with hpZ: test_hpz_eval_and_gradient_accumulation.)
-    run_ranks(train_sharded, 4, "aot", TWO_NODES)
+    results(4)  # "two nodes": train_sharded compares with the reference on each rank
 
 
 @pytest.mark.parametrize("ranks_per_node", [1, 2])
-def test_hpz_full_local_copy_matches_unsharded_reference(ranks_per_node):
-    run_ranks(train_sharded, 2, "aot", {"hpz_partition_size": 1, "ranks_per_node": ranks_per_node})
+def test_hpz_full_local_copy_matches_unsharded_reference(ranks_per_node, results):
+    # train_sharded compares with the reference on each rank; each holds only its chunk.
+    shapes = [returned[f"full local copy, ranks_per_node={ranks_per_node}"] for returned in results(2)]
+    assert shapes[0]["embed.weight"] == (19, 24) and shapes[1]["embed.weight"] == (18, 24)
 
 
 def gathers_by_graph(rank: int, world_size: int, options: dict) -> dict:
@@ -45,8 +86,8 @@ def gathers_by_graph(rank: int, world_size: int, options: dict) -> dict:
 
 @needs_4_ranks
 @pytest.mark.parametrize("qwz", [False, True])
-def test_backward_weight_gathers_never_leave_the_node(qwz):
-    result = run_ranks(gathers_by_graph, 4, {**TWO_NODES, "quantized_weights": qwz, "weight_block_size": 64})[0]
+def test_backward_weight_gathers_never_leave_the_node(qwz, results):
+    result = results(4)[0]["two node gathers with qwz" if qwz else "two node gathers"]
     assert result["forward"] and all(size == 4 for size, *_ in result["forward"])  # world gathers
     assert result["backward"], "backward gathers nothing: the copy would be a full weight"
     assert all(size == 2 and inter == 0 and intra > 0 for size, _, intra, inter in result["backward"])
@@ -57,18 +98,18 @@ def test_backward_weight_gathers_never_leave_the_node(qwz):
     assert 0 < result["secondary_bytes"] <= result["param_bytes"] / 2 / (2 if qwz else 1) * 1.1
 
 
-def test_full_local_copy_gathers_nothing_in_backward():
-    result = run_ranks(gathers_by_graph, 2, {"hpz_partition_size": 1})[0]
+def test_full_local_copy_gathers_nothing_in_backward(results):
+    result = results(2)[0]["full local copy gathers"]
     assert result["forward"] and not result.get("backward")
 
 
-def test_hpz_saves_no_gathered_weight():
-    assert run_ranks(saved_tensor_shapes, 2, {"hpz_partition_size": 2}) == [[], []]
+def test_hpz_saves_no_gathered_weight(results):
+    assert [returned["saved tensors"] for returned in results(2)] == [[], []]
 
 
 @needs_4_ranks
-def test_hpz_with_qwz_stays_near_reference():
-    errors = run_ranks(qwz_runs, 4, 2, {"hpz_partition_size": 2}, ("aot",))[0]
+def test_hpz_with_qwz_stays_near_reference(results):
+    errors = results(4)[0]["with qwz"]
     assert max(errors.values()) < 5e-2, errors
 
 
@@ -102,5 +143,5 @@ def eval_and_accumulation(rank: int, world_size: int) -> None:
         torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
-def test_hpz_eval_and_gradient_accumulation():
-    run_ranks(eval_and_accumulation, 2)
+def test_hpz_eval_and_gradient_accumulation(results):
+    results(2)  # "eval and accumulation" compares with the reference on each rank

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import pytest
 import torch
@@ -60,14 +61,15 @@ def two_node_exchange(rank: int, world_size: int) -> list[int]:
     return received.flatten().tolist()
 
 
-def test_two_node_exchange_is_an_all_to_all():
+def test_two_node_exchange_is_an_all_to_all(reduction_checks):
     # Rows 0-1 of each rank's (4, 2) buffer are its chunk for rank 0, rows 2-3 its chunk for rank 1.
-    assert run_ranks(two_node_exchange, 2) == [[0, 1, 2, 3, 10, 11, 12, 13], [4, 5, 6, 7, 14, 15, 16, 17]]
+    exchanged = [returned["exchange"] for returned in reduction_checks(2, 1)]
+    assert exchanged == [[0, 1, 2, 3, 10, 11, 12, 13], [4, 5, 6, 7, 14, 15, 16, 17]]
 
 
 @pytest.mark.parametrize("world_size, ranks_per_node", TOPOLOGIES)
-def test_every_element_reaches_its_owner_as_the_mean(world_size, ranks_per_node):
-    run_ranks(exact_slices, world_size, ranks_per_node)
+def test_every_element_reaches_its_owner_as_the_mean(world_size, ranks_per_node, reduction_checks):
+    reduction_checks(world_size, ranks_per_node)  # raises what exact_slices raised on a rank
 
 
 def bounded_error(rank: int, world_size: int, ranks_per_node: int) -> None:
@@ -109,8 +111,8 @@ def bounded_error(rank: int, world_size: int, ranks_per_node: int) -> None:
 
 
 @pytest.mark.parametrize("world_size, ranks_per_node", TOPOLOGIES)
-def test_error_within_block_scale_bound(world_size, ranks_per_node):
-    run_ranks(bounded_error, world_size, ranks_per_node)
+def test_error_within_block_scale_bound(world_size, ranks_per_node, reduction_checks):
+    reduction_checks(world_size, ranks_per_node)  # raises what bounded_error raised on a rank
 
 
 def infinity_stays_visible(rank: int, world_size: int, ranks_per_node: int) -> None:
@@ -124,8 +126,32 @@ def infinity_stays_visible(rank: int, world_size: int, ranks_per_node: int) -> N
     assert torch.equal(reduce(torch.zeros(world_size * shard), world_size * shard, topology, 8, 4), torch.zeros(shard))
 
 
-def test_infinity_in_one_gradient_is_visible_after_reduction():
-    run_ranks(infinity_stays_visible, 2, 1)
+def test_infinity_in_one_gradient_is_visible_after_reduction(reduction_checks):
+    reduction_checks(2, 1)  # raises what infinity_stays_visible raised on a rank
+
+
+def all_reduction_checks(rank: int, world_size: int, ranks_per_node: int) -> dict:
+    """The reduction checks of one topology, in turn on one spawned group; what each returns.
+    A check that fails raises, and so fails every test of its topology."""
+    returned = {"exact slices": exact_slices(rank, world_size, ranks_per_node),
+                "bounded error": bounded_error(rank, world_size, ranks_per_node)}
+    if (world_size, ranks_per_node) == (2, 1):
+        returned["infinity"] = infinity_stays_visible(rank, world_size, ranks_per_node)
+        returned["exchange"] = two_node_exchange(rank, world_size)
+    return returned
+
+
+@pytest.fixture(scope="module")
+def reduction_checks() -> Callable[[int, int], list[dict]]:
+    """Per rank, what `all_reduction_checks` of a topology returned: run once for all its tests."""
+    ranks: dict[tuple[int, int], list[dict]] = {}
+
+    def of_topology(world_size: int, ranks_per_node: int) -> list[dict]:
+        if (world_size, ranks_per_node) not in ranks:
+            ranks[world_size, ranks_per_node] = run_ranks(all_reduction_checks, world_size, ranks_per_node)
+        return ranks[world_size, ranks_per_node]
+
+    return of_topology
 
 
 def qgz_training(rank: int, world_size: int, ranks_per_node: int, mode: str) -> dict:

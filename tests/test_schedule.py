@@ -6,6 +6,7 @@ import dataclasses
 import re
 import unittest.mock
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -20,7 +21,7 @@ from zpp_compile.passes.fx_util import ancestors
 from zpp_compile.ledger import PHASES, collectives_by_node, phase_of
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.sharding import _layers
-from distributed import device, run_ranks
+from distributed import device, in_turn, run_ranks
 from models import Block, TinyTransformer, batches
 from test_zero3 import PER_RANK, STEPS, train, train_sharded
 
@@ -28,9 +29,31 @@ ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_
              "quantized_gradients": True, "gradient_block_size": 32, "ranks_per_node": 1}
 
 
-def test_bucketed_training_matches_reference():
+def runs() -> dict[str, tuple]:
+    """The runs of the tests on 2 ranks, by name: (rank function, its arguments). scheduled_graphs
+    comes last: it wraps a pass in its process for good."""
+    return {
+        "bucketed training": (train_sharded, "aot", {"bucket_size": 4096}),
+        "schedule on and off": (compare_runs, {"bucket_size": 4096}, {"disable_passes": ["schedule_overlap"]}),
+        "quantized buckets": (quantized_bucket_runs,),
+        "blocks in a module dict": (moduledict_step_collectives,),
+        "live gathers": (scheduled_graphs, list(SCHEDULED_CONFIGS.values())),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    """results[rank][name]: what each of `runs()` returned on each rank, all from one spawned
+    group (a run that fails fails every test that reads this)."""
+    calls = runs()
+    return [dict(zip(calls, returned)) for returned in run_ranks(in_turn, 2, list(calls.values()))]
+
+
+def test_bucketed_training_matches_reference(results):
     # Several buckets per layer (the other tests run with the default size: one bucket per direction).
-    run_ranks(train_sharded, 2, "aot", {"bucket_size": 4096})
+    # train_sharded compares with the reference on each rank; each holds only its chunk.
+    shapes = [returned["bucketed training"] for returned in results]
+    assert shapes[0]["embed.weight"] == (19, 24) and shapes[1]["embed.weight"] == (18, 24)
 
 
 def final_state(rank: int, world_size: int, options: dict, layers: int = 2) -> tuple[dict, list]:
@@ -54,27 +77,28 @@ def compare_runs(rank: int, world_size: int, options: dict, other: dict) -> tupl
     return len(first_collectives), len(second_collectives)
 
 
-def test_buckets_change_no_bit_of_the_quantized_result():
+def quantized_bucket_runs(rank: int, world_size: int) -> tuple[int, int, list]:
+    """qwZ + hpZ + qgZ trained unbucketed and in 1 MiB buckets (bit-identical, see compare_runs):
+    the collectives' counts and the (op, dtype, of gradient) kinds of the bucketed run's."""
+    unbucketed, bucketed = compare_runs(rank, world_size, {**ALL_THREE, "bucket_size": 0}, {"bucket_size": 1 << 20})
+    kinds = sorted({(c.op, str(c.dtype), c.of_gradient) for g in zpp.REGISTRY.ledger for c in g.collectives})
+    return unbucketed, bucketed, kinds
+
+
+def test_buckets_change_no_bit_of_the_quantized_result(results):
     # Buckets pad each member to whole quantization blocks, so every block and its scale are
     # those of the unbucketed graph: qwZ + hpZ + qgZ give bit-identical parameters.
-    unbucketed, bucketed = run_ranks(compare_runs, 2, {**ALL_THREE, "bucket_size": 0}, {"bucket_size": 1 << 20})[0]
+    unbucketed, bucketed, _ = results[0]["quantized buckets"]
     assert bucketed * 4 < unbucketed, (bucketed, unbucketed)
 
 
-def test_schedule_changes_no_bit_of_the_result():
-    scheduled, unscheduled = run_ranks(
-        compare_runs, 2, {"bucket_size": 4096}, {"disable_passes": ["schedule_overlap"]}
-    )[0]
+def test_schedule_changes_no_bit_of_the_result(results):
+    scheduled, unscheduled = results[0]["schedule on and off"]
     assert scheduled == unscheduled
 
 
-def small_members_stay_full_precision(rank: int, world_size: int) -> list:
-    _, _, collectives = final_state(rank, world_size, {**ALL_THREE, "bucket_size": 1 << 20})
-    return sorted({(c.op, str(c.dtype), c.of_gradient) for c in collectives})
-
-
-def test_buckets_of_small_members_stay_full_precision():
-    kinds = run_ranks(small_members_stay_full_precision, 2)[0]
+def test_buckets_of_small_members_stay_full_precision(results):
+    _, _, kinds = results[0]["quantized buckets"]
     # Quantized buckets (uint8 weight gathers and gradient exchanges: between two nodes, an
     # all-gather of the chunk for the other node), and full-precision ones for the norms, biases
     # and the 0-d gate, which are smaller than a block per rank.
@@ -165,11 +189,11 @@ def moduledict_step_collectives(rank: int, world_size: int) -> list[tuple[str, i
     return [(row.phase, row.intra_bytes) for row in zpp.comm_report().rows]
 
 
-def test_blocks_in_a_module_dict_are_one_bucket_each():
+def test_blocks_in_a_module_dict_are_one_bucket_each(results):
     # Each block's weights (and gradients, in float32 as well) are exactly one bucket: 2 buckets of
     # one block's bytes per phase, and none larger (a bucket spanning two blocks would be).
     block_bytes = gathered_layer_nbytes() // 2  # what the other rank sends of one block
-    rows = run_ranks(moduledict_step_collectives, 2)[0]
+    rows = results[0]["blocks in a module dict"]
     for phase in PHASES:
         sizes = [nbytes for row_phase, nbytes in rows if row_phase == phase]
         assert sizes.count(block_bytes) == 2 and max(sizes) == block_bytes, (phase, sizes, block_bytes)
@@ -316,25 +340,40 @@ def scheduled_graphs(rank: int, world_size: int, configs: list[dict]) -> list[li
     return alive
 
 
-def test_prefetch_respects_the_memory_bound():
-    options = {"bucket_size": 30_000}  # about one layer per bucket
-    configs = [{**options, "prefetch": 1}, {**options, "prefetch": 2}, {**options, "disable_passes": ["schedule_overlap"]}]
-    for one, two, unscheduled in run_ranks(scheduled_graphs, 2, configs):
-        # forward and backward: prefetch + 1 buckets at most, and the prefetch did happen
-        assert [n for n, _, _ in one] == [2, 2] and [n for n, _, _ in two] == [3, 3], (one, two)
-        # The check can fail: without the schedule, each gather is used before the next is issued.
-        assert [n for n, _, _ in unscheduled] == [1, 1]
-
-
 def gathered_layer_nbytes() -> int:
     """One block's weights as gathered over 2 ranks: rows padded to an even count (0-d: one row)."""
     rows = [p.reshape(-1, *p.shape[1:]) for p in Block(24, 2).parameters()]
     return sum(-(-r.shape[0] // 2) * 2 * r[0].numel() * r.element_size() for r in rows)
 
 
-def test_by_default_two_layers_of_gathered_weights_are_in_flight():
+ONE_LAYER_BUCKETS = {"bucket_size": 30_000}  # about one layer per bucket
+SCHEDULED_CONFIGS = {
+    "prefetch 1": {**ONE_LAYER_BUCKETS, "prefetch": 1},
+    "prefetch 2": {**ONE_LAYER_BUCKETS, "prefetch": 2},
+    "unscheduled": {**ONE_LAYER_BUCKETS, "disable_passes": ["schedule_overlap"]},
+    "default": {},
+    "two-layer buckets": {"bucket_size": 2 * gathered_layer_nbytes()},
+}
+
+
+@pytest.fixture(scope="module")
+def alive_by_config(results) -> list[dict[str, list[tuple[int, int, list[int]]]]]:
+    """Per rank, `scheduled_graphs` of each of SCHEDULED_CONFIGS, by name."""
+    return [dict(zip(SCHEDULED_CONFIGS, returned["live gathers"])) for returned in results]
+
+
+def test_prefetch_respects_the_memory_bound(alive_by_config):
+    for alive in alive_by_config:
+        one, two, unscheduled = alive["prefetch 1"], alive["prefetch 2"], alive["unscheduled"]
+        # forward and backward: prefetch + 1 buckets at most, and the prefetch did happen
+        assert [n for n, _, _ in one] == [2, 2] and [n for n, _, _ in two] == [3, 3], (one, two)
+        # The check can fail: without the schedule, each gather is used before the next is issued.
+        assert [n for n, _, _ in unscheduled] == [1, 1]
+
+
+def test_by_default_two_layers_of_gathered_weights_are_in_flight(alive_by_config):
     layer_nbytes = gathered_layer_nbytes()
-    for (forward, backward), in run_ranks(scheduled_graphs, 2, [{}]):
+    for forward, backward in (alive["default"] for alive in alive_by_config):
         for buckets, nbytes, _ in (forward, backward):
             # At most two layers' weights, and more than one: the next layer's gather is in flight.
             assert layer_nbytes < nbytes <= 2 * layer_nbytes and buckets == 2, (buckets, nbytes, layer_nbytes)
@@ -343,9 +382,9 @@ def test_by_default_two_layers_of_gathered_weights_are_in_flight():
         assert forward[2] == [38 * 24 * 4] and backward[2] == [], (forward, backward)
 
 
-def test_a_bucket_size_in_bytes_may_span_layers():
-    bucket_size = 2 * gathered_layer_nbytes()
-    for (forward, backward), in run_ranks(scheduled_graphs, 2, [{"bucket_size": bucket_size}]):
+def test_a_bucket_size_in_bytes_may_span_layers(alive_by_config):
+    bucket_size = SCHEDULED_CONFIGS["two-layer buckets"]["bucket_size"]
+    for forward, backward in (alive["two-layer buckets"] for alive in alive_by_config):
         for buckets, nbytes, _ in (forward, backward):
             # More than two layers in flight (buckets cut at each layer would hold one layer
             # each: two at most), and no more than (prefetch + 1) buckets' worth.
