@@ -57,7 +57,8 @@ class GraphBreakTransformer(TinyTransformer):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def batches(steps: int, world_size: int, per_rank: int = 2, vocab: int = 37, seq: int = 9) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(steps: int, world_size: int, per_rank: int = 2, vocab: int = 37,
+            seq: int = 9) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Global batches (all ranks' samples, rank-major) for `steps` steps, fixed by a seed."""
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, vocab, (steps, world_size * per_rank, seq + 1), generator=g)

@@ -30,7 +30,8 @@ BLOCK = 256  # zeropp's default weight_block_size
 
 
 def run_bench(out: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(EXAMPLES / "bench.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(EXAMPLES / "bench.py"),
            "--compile-mode", "debug", "--seq", str(SEQ), "--batch", "2", "--steps", "2", "--warmup", "1",
            "--json", str(out), "--png", str(out.with_suffix(".png")), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}

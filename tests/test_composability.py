@@ -101,7 +101,8 @@ def sequence_lengths_run(rank: int, world_size: int) -> int:
     start = len(zpp.REGISTRY.ledger)
     reports = []
     for seq in (5, 7, 9):
-        tokens, targets = (t[rank * PER_RANK:(rank + 1) * PER_RANK, :seq].to(device()) for t in batches(1, world_size)[0])
+        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        tokens, targets = (t[rows, :seq].to(device()) for t in batches(1, world_size)[0])
         loss = compiled(tokens, targets)
         loss.backward()
         grads = [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
@@ -124,7 +125,8 @@ def sequence_lengths_run(rank: int, world_size: int) -> int:
     mine, both = zpp.comm_report(model), zpp.comm_report()
     assert (mine.intra_bytes + mine.inter_bytes, len(mine.rows)) == reports[0]
     assert both.intra_bytes + both.inter_bytes == 2 * reports[0][0]  # the same architecture: the same bytes
-    compiled_graphs = sum(1 for g in zpp.REGISTRY.ledger[start:] if g.kind == "forward" and g.model.sharding_id == _id(model))
+    compiled_graphs = sum(1 for g in zpp.REGISTRY.ledger[start:]
+                          if g.kind == "forward" and g.model.sharding_id == _id(model))
     zpp.reset_comm_report()
     assert not zpp.comm_report().rows
     return compiled_graphs

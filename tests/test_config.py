@@ -53,7 +53,8 @@ def test_json_round_trip(tmp_path):
         ({"collective_timeout_s": 0}, "Config.collective_timeout_s=0 must be a positive number"),
         ({"zero_quantized_weights": True, "quantized_weights": False}, "keep one"),
         ({"inductor_options": {"combo_kernel": True}},
-         "Config.inductor_options: 'combo_kernel' is not a torch._inductor.config setting; did you mean 'combo_kernels'"),
+         "Config.inductor_options: 'combo_kernel' is not a torch._inductor.config setting; "
+         "did you mean 'combo_kernels'"),
         ({"inductor_options": 3}, "Config.inductor_options=3 must map Inductor setting names to values"),
         ({"cuda_graphs": True, "inductor": False}, "Config.cuda_graphs=True needs Inductor"),
         ({"bucket_size": "layers"}, "Config.bucket_size='layers' must be 'layer' or a number of bytes >= 0"),
@@ -88,7 +89,8 @@ def test_constructor_and_from_dict_reject_what_is_not_a_config():
 
 def test_topology_checks():
     Config(hpz_partition_size=2).check_topology(world_size=4, ranks_per_node=2)
-    with pytest.raises(ConfigError, match=r"hpz_partition_size=3 does not divide the world size 4; allowed: 0 \(off\) or one of \[1, 2, 4\]"):
+    with pytest.raises(ConfigError, match=r"hpz_partition_size=3 does not divide the world size 4; "
+                                          r"allowed: 0 \(off\) or one of \[1, 2, 4\]"):
         Config(hpz_partition_size=3).check_topology(world_size=4, ranks_per_node=2)
     with pytest.raises(ConfigError, match="ranks_per_node=3 does not divide the world size 4"):
         Config(ranks_per_node=3).check_topology(world_size=4, ranks_per_node=3)

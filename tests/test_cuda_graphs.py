@@ -51,7 +51,8 @@ def train(rank: int, world_size: int, options: dict, accumulate: int, evaluate: 
              for name in ("cudaGraphLaunch", "cudaStreamBeginCapture")}
     state = {k: v.cpu() for k, v in zpp.full_state_dict(model).items()}
     zpp.release_cuda_graphs()  # before the process group goes (the harness destroys it)
-    return ([l.item() for l in losses], [l.item() for l in eval_losses], state, [g.cpu() for g in grads], calls)
+    return ([loss.item() for loss in losses], [loss.item() for loss in eval_losses], state, [g.cpu() for g in grads],
+            calls)
 
 
 def compare(rank: int, world_size: int, options: dict, accumulate: int, evaluate: bool) -> None:

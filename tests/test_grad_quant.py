@@ -460,28 +460,28 @@ def simulate(grads, N, R, B, bits1, bits2, dtype, impl="op"):
     results, bounds = [], []
     if N == 1 or R == 1:
         # one all-to-all (intra when N == 1, inter when R == 1): rank r gets, from every rank j
-        # in order, the piece j holds for shard r: chunk l, node m -> index l * N + m
+        # in order, the piece j holds for shard r: chunk local, node m -> index local * N + m
         for r in range(W):
-            m, l = divmod(r, R)
-            recv = torch.cat([sent[j][(l * N + m) * pb1:(l * N + m + 1) * pb1] for j in range(W)])
+            m, local = divmod(r, R)
+            recv = torch.cat([sent[j][(local * N + m) * pb1:(local * N + m + 1) * pb1] for j in range(W)])
             results.append(dequant_reduce(recv.to(grads[0].device), W, S, bits1, B, dtype,
                                           1.0 / W).cpu())
-            s1 = sum(scales(sent[j], l * N + m, pb1, bits1) for j in range(W))
+            s1 = sum(scales(sent[j], local * N + m, pb1, bits1) for j in range(W))
             bounds.append((C_BOUND * s1 + 2.0 ** -20 * q1 * s1) / W)
         return results, bounds
     partial = []
-    for r in range(W):                # intra-node all-to-all: chunk l of every local source
-        m, l = divmod(r, R)
-        recv1 = torch.cat([sent[m * R + k][l * N * pb1:(l + 1) * N * pb1] for k in range(R)])
+    for r in range(W):                # intra-node all-to-all: chunk local of every local source
+        m, local = divmod(r, R)
+        recv1 = torch.cat([sent[m * R + k][local * N * pb1:(local + 1) * N * pb1] for k in range(R)])
         partial.append(reduce_requant(recv1.to(grads[0].device), R, N, S, bits1, bits2,
                                       B).cpu())
-    for r in range(W):                # inter-node all-to-all: piece m from each node's rank l
-        m, l = divmod(r, R)
-        recv2 = torch.cat([partial[k * R + l][m * pb2:(m + 1) * pb2] for k in range(N)])
+    for r in range(W):                # inter-node all-to-all: piece m from each node's rank local
+        m, local = divmod(r, R)
+        recv2 = torch.cat([partial[k * R + local][m * pb2:(m + 1) * pb2] for k in range(N)])
         results.append(dequant_reduce(recv2.to(grads[0].device), N, S, bits2, B, dtype,
                                       1.0 / W).cpu())
-        s1 = sum(scales(sent[j], l * N + m, pb1, bits1) for j in range(W))
-        s2 = sum(scales(partial[k * R + l], m, pb2, bits2) for k in range(N))
+        s1 = sum(scales(sent[j], local * N + m, pb1, bits1) for j in range(W))
+        s2 = sum(scales(partial[k * R + local], m, pb2, bits2) for k in range(N))
         bounds.append((C_BOUND * (s1 + s2) + 2.0 ** -20 * (q1 * s1 + q2 * s2)) / W)
     return results, bounds
 
@@ -610,12 +610,12 @@ def test_slice_order_exact(N, R, dtype, S):
                 if not torch.equal(wrong, total / W):
                     assert not torch.equal(results[r].double(),
                                            wrong[r * S:(r + 1) * S]), r
-    # the layout is what the design says: shard m*R + l sits in chunk l, node slot m
+    # the layout is what the design says: shard m*R + local sits in chunk local, node slot m
     pb = gq.piece_bytes(S, B, 8)
     for m in range(N):
-        for l in range(R):
-            shard = m * R + l
-            piece = gq.qgz_quantize_ref(grads[0], N, R, 8, B)[(l * N + m) * pb:(l * N + m + 1) * pb]
+        for local in range(R):
+            shard = m * R + local
+            piece = gq.qgz_quantize_ref(grads[0], N, R, 8, B)[(local * N + m) * pb:(local * N + m + 1) * pb]
             back = gq.dequantize_pieces_ref(piece, 1, S, 8, B)[0]
             assert torch.equal(back.double(), grads[0].double()[shard * S:(shard + 1) * S])
 

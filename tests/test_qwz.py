@@ -38,7 +38,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def qwz_runs(
     rank: int, world_size: int, ranks_per_node: int, options: dict | None = None, modes: tuple = ("aot", "inductor")
 ) -> dict:
-    config = zpp.Config(quantized_weights=True, weight_block_size=BLOCK, ranks_per_node=ranks_per_node, **(options or {}))
+    config = zpp.Config(quantized_weights=True, weight_block_size=BLOCK, ranks_per_node=ranks_per_node,
+                        **(options or {}))
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     data = batches(STEPS, world_size, PER_RANK)
 

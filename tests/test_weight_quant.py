@@ -125,8 +125,10 @@ def test_triton_matches_twin_whole_tiles(dtype, B):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B", [32, 128, 1024])
 def test_error_within_half_step(impl, dtype, B):
-    quant = wq.quantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.quantize_weight_triton)
-    dequant = wq.dequantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.dequantize_weight_triton)
+    quant = (wq.quantize_weight_reference if impl == "twin"
+             else functools.partial(on_kernel_device, wq.quantize_weight_triton))
+    dequant = (wq.dequantize_weight_reference if impl == "twin"
+               else functools.partial(on_kernel_device, wq.dequantize_weight_triton))
     n = 3001
     x = weights(n, dtype, seed=B)
     packed = quant(x, B)
@@ -152,7 +154,8 @@ def test_error_within_half_step(impl, dtype, B):
 
 @pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
 def test_round_half_to_even(impl):
-    quant = wq.quantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.quantize_weight_triton)
+    quant = (wq.quantize_weight_reference if impl == "twin"
+             else functools.partial(on_kernel_device, wq.quantize_weight_triton))
     # absmax 127 makes scale = inv = 1, so k + 0.5 is an exact tie.
     x = torch.tensor([127.0] + [k + 0.5 for k in range(-20, 20)] + [-126.5, 126.5])
     codes, scales = unpack(quant(x, 64), x.numel(), 64)
@@ -165,8 +168,10 @@ def test_round_half_to_even(impl):
 @pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_zero_and_nonfinite_blocks(impl, dtype):
-    quant = wq.quantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.quantize_weight_triton)
-    dequant = wq.dequantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.dequantize_weight_triton)
+    quant = (wq.quantize_weight_reference if impl == "twin"
+             else functools.partial(on_kernel_device, wq.quantize_weight_triton))
+    dequant = (wq.dequantize_weight_reference if impl == "twin"
+               else functools.partial(on_kernel_device, wq.dequantize_weight_triton))
     B = 32
     x = weights(6 * B, dtype, seed=3)
     x[0:B] = 0  # block 0: all zero
@@ -200,7 +205,8 @@ def test_zero_and_nonfinite_blocks(impl, dtype):
 @pytest.mark.parametrize("impl", ["twin", pytest.param("triton", marks=needs_triton)])
 def test_dequantize_inf_block_code_table(impl):
     """Hand-made packed bytes: in an inf-scale block -128 -> NaN, +-127 -> +-inf, others -> 0."""
-    dequant = wq.dequantize_weight_reference if impl == "twin" else functools.partial(on_kernel_device, wq.dequantize_weight_triton)
+    dequant = (wq.dequantize_weight_reference if impl == "twin"
+               else functools.partial(on_kernel_device, wq.dequantize_weight_triton))
     B = 32
     codes = torch.zeros(2, B, dtype=torch.int8)
     codes[0, :5] = torch.tensor([-128, 127, -127, 5, 0], dtype=torch.int8)

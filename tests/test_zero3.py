@@ -56,7 +56,8 @@ def train_sharded(rank: int, world_size: int, mode: str, options: dict, model_cl
     # Each rank's loss is over its own samples; their mean is the reference's global-batch loss.
     losses = torch.tensor([loss for loss, _ in history], device=device())
     torch.distributed.all_reduce(losses)
-    torch.testing.assert_close(losses.cpu() / world_size, torch.tensor([l for l, _ in ref_history]), rtol=1e-5, atol=0)
+    expected = torch.tensor([loss for loss, _ in ref_history])
+    torch.testing.assert_close(losses.cpu() / world_size, expected, rtol=1e-5, atol=0)
     torch.testing.assert_close([n for _, n in history], [n for _, n in ref_history], rtol=1e-5, atol=0)
     expected = ref_model.state_dict()
     assert full.keys() == expected.keys()
