@@ -13,9 +13,9 @@ from torch._logging import trace_structured
 
 from .config import Config
 from .dump import GraphDump
+from .ledger import GraphComm, ShardedModel, collectives_in_graph
 from .passes import PASSES, GraphPass, PassContext
 from .passes.fx_util import is_backward, nodes_calling
-from .ledger import GraphComm, ShardedModel, collectives_in_graph
 from .runtime.ops import gather_param_args
 from .runtime.registry import REGISTRY
 from .runtime.topology import Topology
