@@ -11,7 +11,7 @@ import queue
 import socket
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,15 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
+              reporting: Iterable[int] | None = None) -> list[Any]:
     """fn(rank, world_size, *args) on every rank; returns the ranks' results in rank order.
 
     A rank that raises fails the test with its traceback; ranks that do not finish within
-    `timeout_s` are killed and the test fails.
+    `timeout_s` are killed and the test fails. With `reporting`, only those ranks' results are
+    awaited and returned (in rank order); the others (a rank made to die or hang) are then killed.
     """
+    awaited = sorted(set(range(world_size) if reporting is None else reporting))
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
@@ -43,22 +46,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}
     try:
-        while len(outcome) < world_size:
+        while not set(awaited) <= outcome.keys():
             rank, status, value = results.get(timeout=timeout_s)
             outcome[rank] = (status, value)
             if status == "error":
                 break
     except queue.Empty:
-        raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(outcome))} did not finish in {timeout_s}s")
+        raise AssertionError(f"ranks {sorted(set(awaited) - set(outcome))} did not finish in {timeout_s}s")
     finally:
-        for p in procs:
-            p.join(timeout=30 if len(outcome) == world_size else 1)
+        for rank, p in enumerate(procs):
+            p.join(timeout=30 if rank in outcome and set(awaited) <= outcome.keys() else 1)
             if p.is_alive():
                 p.kill()
+                p.join()
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcome.items()) if s == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
-    return [outcome[r][1] for r in range(world_size)]
+    return [outcome[r][1] for r in awaited]
 
 
 def in_turn(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
@@ -67,8 +71,8 @@ def in_turn(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
     graphs and the ledger its collectives (what comm_report and secondary_copy_bytes read)."""
     results = []
     for fn, *args in calls:
-        torch._dynamo.reset()
-        zpp.REGISTRY.ledger.clear()
+        torch.compiler.reset()
+        zpp.reset_comm_report()
         results.append(fn(rank, world_size, *args))
     return results
 

@@ -10,11 +10,10 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import zpp_compile as zpp
-from distributed import BACKEND, _free_port, _rank_main, device, run_ranks
+from distributed import BACKEND, device, run_ranks
 from zpp_compile import pass_manager
 from zpp_compile.passes import PASSES
 
@@ -40,29 +39,10 @@ def step_with_failing_peer(rank: int, world_size: int, failure: str, compiled: b
     return time.monotonic() - start, str(error.value)
 
 
-def rank0_result(fn, world_size: int, *args) -> tuple[float, str]:
-    """fn on `world_size` ranks, where some never report: rank 0's result; then every rank is ended."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    procs = [context.Process(target=_rank_main, args=(fn, r, world_size, port, results, args), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        rank, status, value = results.get(timeout=120)
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
-    assert rank == 0 and status == "ok", value
-    return value
-
-
 @nccl_aborts
 @pytest.mark.parametrize("failure", ["dies", "hangs"])
 def test_failing_peer_makes_the_others_raise_within_the_timeout(failure):
-    elapsed, message = rank0_result(step_with_failing_peer, 2, failure, False)
+    elapsed, message = run_ranks(step_with_failing_peer, 2, failure, False, timeout_s=120, reporting=[0])[0]
     assert elapsed < TIMEOUT_S + 10, elapsed
     assert "zeropp collective zpp::all_gather_param (parameter all-gather)" in message, message
     assert "collective_timeout_s" in message
@@ -72,7 +52,7 @@ def test_failing_peer_makes_the_others_raise_within_the_timeout(failure):
 
 @nccl_aborts
 def test_hanging_peer_under_compile_raises_within_the_timeout():
-    elapsed, message = rank0_result(step_with_failing_peer, 2, "hangs", True)
+    elapsed, message = run_ranks(step_with_failing_peer, 2, "hangs", True, timeout_s=120, reporting=[0])[0]
     assert elapsed < TIMEOUT_S + 60, elapsed  # includes compiling the step on a busy machine
     # Inside a compiled graph the error is gloo's own ("Timed out waiting 4000ms for send
     # operation", or "Application timeout caused pair closure"), without zeropp's op name.
