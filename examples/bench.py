@@ -259,12 +259,17 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     """The benchmarked model, on the current default device, from the seed set before."""
     if args.model == "gpt":
         return GPT(GPTConfig(seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers))
+    return llama(LLAMA_SHAPES[args.model], args.layers, args.seq)
+
+
+def llama(shape: LlamaShape, layers: int, seq: int, rope_theta: float = 500000.0) -> nn.Module:
+    """HF transformers' LlamaForCausalLM of `shape` with `layers` decoder layers, causal SDPA
+    attention (`causal_sdpa`), no KV cache; on the current default device."""
     transformers = importlib.import_module("transformers")
-    shape = LLAMA_SHAPES[args.model]
     config = transformers.LlamaConfig(
-        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=shape.ffn, num_hidden_layers=args.layers,
+        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=shape.ffn, num_hidden_layers=layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, tie_word_embeddings=shape.tied,
-        max_position_embeddings=max(args.seq, 8192), rope_theta=500000.0, rms_norm_eps=1e-5, use_cache=False,
+        max_position_embeddings=max(seq, 8192), rope_theta=rope_theta, rms_norm_eps=1e-5, use_cache=False,
         attn_implementation=causal_sdpa(transformers),
     )
     return transformers.LlamaForCausalLM(config)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -40,14 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-SHAPES = {  # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one
-    "small": dict(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=1024),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-                     vocab_size=128256, rope_theta=500000.0),
-    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8,
-                     vocab_size=128256, rope_theta=500000.0),
-}
+from bench import LLAMA_SHAPES, LlamaShape, llama  # examples/bench.py (this script's folder)
+
+# Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one.
+SHAPES = {"small": LlamaShape(1024, 128, 16, 4, 2, 352, True),
+          "llama-1b": LLAMA_SHAPES["llama-1b"], "llama-3b": LLAMA_SHAPES["llama-3b"]}
 DEFAULT_LAYERS = {"small": [16, 28], "llama-1b": [16], "llama-3b": [28]}
 
 # The table's phases, from compile_times() keys (the functions torch.compile times), each without
@@ -85,19 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_llama(args: argparse.Namespace, layers: int, device: torch.device) -> nn.Module:
-    import transformers
-
-    shape = dict(SHAPES[args.shape])
+    shape = SHAPES[args.shape]
     if args.hidden:
-        shape.update(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4)
-    from bench import causal_sdpa  # examples/bench.py
-
-    config = transformers.LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=max(args.seq, 128),
-                                      tie_word_embeddings=True, use_cache=False,
-                                      attn_implementation=causal_sdpa(transformers))
+        shape = dataclasses.replace(shape, dim=args.hidden, ffn=args.hidden * 11 // 4)
     torch.manual_seed(0)
     with torch.device(device):
-        return transformers.LlamaForCausalLM(config)
+        return llama(shape, layers, args.seq)
 
 
 def prepare(args: argparse.Namespace, model: nn.Module, device: torch.device) -> nn.Module:
@@ -143,7 +134,6 @@ def cache_counts() -> dict[str, int]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
     from gpt import init_distributed  # examples/gpt.py
 
     device = init_distributed()

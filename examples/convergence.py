@@ -105,17 +105,11 @@ class ByteLlama(nn.Module):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
-        import transformers
-        from bench import causal_sdpa  # examples/bench.py: SDPA with is_causal, no mask tensor
+        from bench import LlamaShape, llama  # examples/bench.py
 
         ffn = 256 * math.ceil(args.dim * 8 / 3 / 256)
-        config = transformers.LlamaConfig(
-            vocab_size=256, hidden_size=args.dim, intermediate_size=ffn, num_hidden_layers=args.layers,
-            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
-            rope_theta=10000.0, tie_word_embeddings=True, use_cache=False,
-            attn_implementation=causal_sdpa(transformers),
-        )
-        self.llama = transformers.LlamaForCausalLM(config)
+        shape = LlamaShape(256, args.dim, args.layers, args.heads, args.kv_heads, ffn, tied=True)
+        self.llama = llama(shape, args.layers, args.seq, rope_theta=10000.0)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = self.llama(input_ids=x).logits

@@ -65,6 +65,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     return [outcome[r][1] for r in awaited]
 
 
+def optimizer_steps(opt: torch.optim.Optimizer, step_fn: Callable[..., torch.Tensor], data: list,
+                    rows: slice) -> list[torch.Tensor]:
+    """One step of `opt` per (tokens, targets) batch of `data`, on this rank's `rows` of it; the losses."""
+    losses = []
+    for tokens, targets in data:
+        loss = step_fn(tokens[rows].to(device()), targets[rows].to(device()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def in_turn(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
     """fn(rank, world_size, *args) for each (fn, *args) of `calls` in turn, on one spawned group:
     several checks pay for one process start. Before each, Dynamo forgets the previous call's

@@ -23,22 +23,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 import zpp_compile as zpp
 from zpp_compile.checkpoint import _PRIME, CHECKSUM_FILE, _checksum
-from distributed import device, run_ranks
+from distributed import device, optimizer_steps, run_ranks
 from models import TinyTransformer, batches
 from test_zero3 import needs_4_ranks
 
 GLOBAL_BATCH, STEPS = 8, 4  # steps 0-1 at world 4, steps 2-3 at world 2
-
-
-def adamw_steps(model: nn.Module, opt: torch.optim.Optimizer, step_fn, data, rows: slice) -> list[torch.Tensor]:
-    losses = []
-    for tokens, targets in data:
-        loss = step_fn(tokens[rows].to(device()), targets[rows].to(device()))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
 
 
 def global_losses(losses: list[torch.Tensor], world_size: int) -> list[float]:
@@ -54,7 +43,7 @@ def save_at_world4(rank: int, world_size: int, path: str) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per_rank = GLOBAL_BATCH // world_size
     data = batches(STEPS, 1, GLOBAL_BATCH)[:2]
-    losses = adamw_steps(model, opt, model, data, slice(rank * per_rank, (rank + 1) * per_rank))
+    losses = optimizer_steps(opt, model, data, slice(rank * per_rank, (rank + 1) * per_rank))
     model_state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
     return global_losses(losses, world_size)
@@ -70,13 +59,13 @@ def load_at_world2(rank: int, world_size: int, path: str) -> tuple[list[float], 
     per_rank = GLOBAL_BATCH // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     data = batches(STEPS, 1, GLOBAL_BATCH)
-    adamw_steps(model, opt, compiled, data[:1], rows)  # state the load must replace
+    optimizer_steps(opt, compiled, data[:1], rows)  # state the load must replace
 
     model_state, optim_state = get_state_dict(model, opt)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    losses = adamw_steps(model, opt, compiled, data[2:], rows)
+    losses = optimizer_steps(opt, compiled, data[2:], rows)
 
     full = {k: v.cpu() for k, v in zpp.full_state_dict(model).items()}  # every rank takes part
     if rank == 0:
@@ -92,7 +81,7 @@ def reference() -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = TinyTransformer().to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = adamw_steps(model, opt, model, batches(STEPS, 1, GLOBAL_BATCH), slice(None))
+    losses = optimizer_steps(opt, model, batches(STEPS, 1, GLOBAL_BATCH), slice(None))
     return [float(loss) for loss in losses], {k: v.cpu() for k, v in model.state_dict().items()}
 
 
@@ -163,14 +152,14 @@ def safe_checkpoint_world2(rank: int, world_size: int, path: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = slice(rank * 2, (rank + 1) * 2)
     data = batches(3, 1, 4)
-    adamw_steps(model, opt, model, data[:1], rows)
+    optimizer_steps(opt, model, data[:1], rows)
     zpp.save_checkpoint(model, opt, path)
     saved = local_state(model, opt)
     full_model = {k: v.cpu() for k, v in zpp.full_state_dict(model).items()}
     full_optim = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
         torch.save({"model": full_model, "optim": full_optim["state"]}, f"{path}-reference.pt")
-    adamw_steps(model, opt, model, data[1:2], rows)  # moves on: a load must bring back `saved`
+    optimizer_steps(opt, model, data[1:2], rows)  # moves on: a load must bring back `saved`
     before = local_state(model, opt)
 
     copies = [damaged_copies(path, saved["blocks.0.fc.weight.exp_avg"].cpu()) if rank == 0 else None]
@@ -189,7 +178,7 @@ def safe_checkpoint_world2(rank: int, world_size: int, path: str) -> None:
 
     zpp.load_checkpoint(model, opt, path)
     assert_bit_identical(local_state(model, opt), saved, "after loading the good checkpoint")
-    adamw_steps(model, opt, model, data[1:2], rows)  # the same step again: the same state
+    optimizer_steps(opt, model, data[1:2], rows)  # the same step again: the same state
     assert_bit_identical(local_state(model, opt), before, "after the step from the loaded checkpoint")
 
 

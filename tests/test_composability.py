@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
-from distributed import device, in_turn, run_ranks
+from distributed import device, in_turn, optimizer_steps, run_ranks
 from models import CheckpointedTransformer, TinyTransformer, batches
 from test_zero3 import PER_RANK, train_sharded
 
@@ -151,14 +151,7 @@ def bfloat16_after_shard_run(rank: int, world_size: int) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         if convert:
             model.to(torch.bfloat16)
-        losses = []
-        for tokens, targets in data:
-            loss = step_fn(tokens[rows].to(device()), targets[rows].to(device()))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach().float())
-        return losses
+        return [loss.float() for loss in optimizer_steps(opt, step_fn, data, rows)]
 
     torch.manual_seed(0)
     reference = TinyTransformer().to(device()).to(torch.bfloat16)

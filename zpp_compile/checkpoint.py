@@ -209,6 +209,11 @@ def _checksum_part(tensor: DTensor) -> tuple[int, int]:
     return _checksum(tensor.to_local(), start * math.prod(tensor.shape[1:]))
 
 
+def _combined(partials: list[dict[str, tuple[int, int]]], name: str) -> list[int]:
+    """The checksum of tensor `name` as a whole, from every rank's part of it."""
+    return [sum(part[name][i] for part in partials) % _PRIME for i in range(2)]
+
+
 def _object_hash(value: Any) -> str:
     """A hash of a saved value that is not a tensor (e.g. the optimizer's hyperparameters), over its
     pickled form, which DCP stores and which survives a round trip unchanged."""
@@ -220,7 +225,7 @@ def _write_checksums(path: Path, entries: dict[str, Any], partials: list[dict[st
     checksums: dict[str, dict] = {}
     for name, value in entries.items():
         if isinstance(value, DTensor):
-            sums = [sum(part[name][i] for part in partials) % _PRIME for i in range(2)]
+            sums = _combined(partials, name)
         elif isinstance(value, torch.Tensor):
             sums = list(_checksum(value))
         else:
@@ -343,9 +348,9 @@ def _raise_on_problems(path: Path, everyone: list[tuple], saved: dict[str, dict]
         raise CheckpointError(f"zpp.load_checkpoint: {'; '.join(failures)}{where}. Load an earlier checkpoint. "
                               "The model and optimizer are unchanged")
     damaged = {name for _, _, local, _ in everyone for name in local}
-    for name in everyone[0][3]:
-        sums = [sum(partial[name][i] for _, _, _, partial in everyone) % _PRIME for i in range(2)]
-        if name in saved and sums != saved[name]["checksum"]:
+    partials = [partial for _, _, _, partial in everyone]
+    for name in partials[0]:
+        if name in saved and _combined(partials, name) != saved[name]["checksum"]:
             damaged.add(name)
     if damaged:
         files = _files_holding(path, damaged)

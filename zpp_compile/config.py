@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -342,6 +343,7 @@ def _pass_names(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+@functools.cache
 def _field_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(Config))
 

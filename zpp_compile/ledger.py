@@ -166,27 +166,23 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
 
 
 def training_graphs(graphs: list[GraphComm]) -> list[GraphComm]:
-    """What one training step runs: the forward and backward graphs of every compiled graph that
+    """What one training step runs, of `graphs` in compile order (as the ledger holds them and
+    `zeropp report` reads a dump): the forward and backward graphs of every compiled graph that
     has a backward (not the inference-only graphs of, say, evaluation), and of a frame Dynamo
     compiled several times for one model (recompiled for a new input shape or a changed flag), the
     latest compilation only. Several frames (a step with graph breaks) all count."""
     trained = {_dynamo_graph(g) for g in graphs if g.kind == "backward"}
     latest: dict[tuple, str] = {}
-    for g in sorted((g for g in graphs if _dynamo_graph(g) in trained), key=_compile_order):
-        frame = (g.model.sharding_id if g.model else None, g.frame) if g.frame is not None else _dynamo_graph(g)
-        latest[frame] = _dynamo_graph(g)
+    for g in graphs:
+        if _dynamo_graph(g) in trained:
+            frame = (g.model.sharding_id if g.model else None, g.frame) if g.frame is not None else _dynamo_graph(g)
+            latest[frame] = _dynamo_graph(g)
     kept = set(latest.values())
     return [g for g in graphs if _dynamo_graph(g) in kept]
 
 
 def _dynamo_graph(graph: GraphComm) -> str:
     return graph.graph_name.split(".")[0]  # "g3.forward" -> "g3"
-
-
-def _compile_order(graph: GraphComm) -> tuple[int, str]:
-    """Dynamo graphs are numbered in compile order ("g3"); a dump read back lists them by name."""
-    number = _dynamo_graph(graph).removeprefix("g")
-    return (int(number), "") if number.isdigit() else (-1, graph.graph_name)
 
 
 # ------------------------------------------------------------------------------ the report
