@@ -5,6 +5,7 @@ exposed-communication interval arithmetic."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -20,7 +21,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import (LLAMA_SHAPES, default_variants, exposed_and_peer_wait, exposed_communication,  # noqa: E402
+from bench import (LLAMA_SHAPES, default_variants, exposed_and_peer_wait, exposed_communication, llama,  # noqa: E402
                    median_round, nccl_durations, parse_args, transfer_only, transfer_times)
 from gpt import GPT, GPTConfig  # noqa: E402
 from distributed import run_ranks  # noqa: E402
@@ -152,6 +153,27 @@ def test_llama_runs_with_activation_checkpointing(llama_json):
         assert r["parameters"] == n_params and r["first_step_s"] > 0, r
         assert r["tflops_per_gpu"] == pytest.approx(flops_per_token * r["tokens_per_s"] / WORLD / 1e12)
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 1.0)
+
+
+def test_benchmark_llama_attention_matches_transformers_sdpa():
+    # bench.llama's attention (SDPA with is_causal, no mask tensor) computes what transformers' own
+    # "sdpa" computes for whole, unpadded sequences, forward and backward.
+    transformers = pytest.importorskip("transformers")
+    shape = LLAMA_SHAPES["llama-tiny"]
+    torch.manual_seed(0)
+    ours = llama(shape, shape.layers, SEQ)
+    config = copy.deepcopy(ours.config)
+    config._attn_implementation = "sdpa"
+    reference = transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, shape.vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    got, expected = ours(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    got.loss.backward()
+    expected.loss.backward()
+    for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert ours.config._attn_implementation != reference.config._attn_implementation
 
 
 def test_bad_model_options_are_clear_errors(capsys):
