@@ -17,6 +17,7 @@ nodes are the nodes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -28,7 +29,10 @@ from tqdm import tqdm
 import zpp_compile as zpp
 from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
-TECHNIQUE_OF_PHASE = {"forward weight gather": "qwZ", "backward weight gather": "hpZ", "gradient reduction": "qgZ"}
+# Each phase of a step: the ZeRO++ technique that rewrites it, and the Config field that switches it on.
+TECHNIQUES = {"forward weight gather": ("qwZ", "quantized_weights"),
+              "backward weight gather": ("hpZ", "hpz_partition_size"),
+              "gradient reduction": ("qgZ", "quantized_gradients")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,8 +138,7 @@ def main(argv: list[str] | None = None) -> float:
 
 
 def describe(config: zpp.Config) -> str:
-    on = [name for name, enabled in (("qwZ", config.quantized_weights), ("hpZ", config.hpz_partition_size),
-                                     ("qgZ", config.quantized_gradients)) if enabled]
+    on = [name for name, field in TECHNIQUES.values() if getattr(config, field)]
     return f"ZeRO++ ({' + '.join(on)})" if on else "plain ZeRO-3"
 
 
@@ -168,26 +171,26 @@ def comm_summary(report: zpp.CommReport, config: zpp.Config, eager: bool) -> str
     if eager:
         return "eager run: the ZeRO++ passes act under torch.compile, so there is no compiled step to report"
     mb = lambda n: f"{n / 1e6:7.3f} MB"  # noqa: E731
-    on = {"forward weight gather": config.quantized_weights, "backward weight gather": config.hpz_partition_size,
-          "gradient reduction": config.quantized_gradients}
     base_intra, base_inter = report.baseline_intra_bytes // 3, report.baseline_inter_bytes // 3
     weights = str(config.param_dtype or torch.get_default_dtype()).removeprefix("torch.")
     gradients = str(config.reduce_dtype).removeprefix("torch.")
     lines = [f"bytes each rank received per step, against plain ZeRO-3 of the same model moving bf16 weights and "
              f"gradients (this run: {weights} weights, {gradients} gradient reduction):"]
     for phase, (intra, inter) in report.by_phase().items():
-        technique = TECHNIQUE_OF_PHASE[phase] if on[phase] else "-"
+        name, field = TECHNIQUES[phase]
+        technique = name if getattr(config, field) else "-"
         lines.append(f"  {phase:<23} {technique:<4} cross-node {mb(inter)} vs {mb(base_inter)} "
-                     f"{ratio(inter, base_inter):>6}   within a node {mb(intra)} vs {mb(base_intra)}")
-    total, base_total = report.intra_bytes + report.inter_bytes, report.baseline_intra_bytes + base_inter * 3
-    lines.append(f"cross-node bytes per step {ratio(report.inter_bytes, report.baseline_inter_bytes)} of ZeRO-3's "
+                     f"{times(inter / base_inter if base_inter else math.nan):>6}   "
+                     f"within a node {mb(intra)} vs {mb(base_intra)}")
+    lines.append(f"cross-node bytes per step {times(report.inter_ratio)} of ZeRO-3's "
                  f"({mb(report.inter_bytes).strip()} vs {mb(report.baseline_inter_bytes).strip()}); "
-                 f"all bytes {ratio(total, base_total)}")
+                 f"all bytes {times(report.total_ratio)}")
     return "\n".join(lines)
 
 
-def ratio(value: int, baseline: int) -> str:
-    return f"{value / baseline:.2f}x" if baseline else "-"
+def times(ratio: float) -> str:
+    """A ratio as "0.26x"; "-" where there is no baseline (nan)."""
+    return "-" if math.isnan(ratio) else f"{ratio:.2f}x"
 
 
 if __name__ == "__main__":
