@@ -6,6 +6,7 @@ CPU runs use gloo. With ZPP_TEST_BACKEND=nccl (the GPU machine) each rank uses N
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import socket
@@ -100,6 +101,7 @@ def _rank_main(fn, rank, world_size, port, results, args) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
+    faulthandler.enable(all_threads=True)  # a rank that aborts in native code shows where, on stderr
     torch.set_num_threads(1)
     if BACKEND == "nccl":
         torch.cuda.set_device(rank)
