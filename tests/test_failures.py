@@ -4,6 +4,7 @@ non-finite gradients under qgZ, out of memory while compiling, and wrong argumen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -14,7 +15,7 @@ import torch.nn as nn
 
 import zpp_compile as zpp
 from distributed import BACKEND, device, run_ranks
-from zpp_compile import pass_manager
+from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES
 
 TIMEOUT_S = 4.0
@@ -181,12 +182,11 @@ def out_of_memory_in_compile(rank: int, world_size: int) -> None:
     def exhaust(graph, ctx):
         raise torch.OutOfMemoryError("simulated: tried to allocate 80.00 GiB")
 
-    # In this rank's process only: the pass manager's lowering pass runs out of memory.
-    pass_manager.PASSES = tuple(
-        dataclasses.replace(p, run=exhaust) if p.name == "lower_collectives" else p for p in PASSES
-    )
+    # The lowering pass runs out of memory.
+    passes = [dataclasses.replace(p, run=exhaust) if p.name == "lower_collectives" else p for p in PASSES]
     model = zpp.shard(nn.Linear(8, 8).to(device()))
-    compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
+    backend = functools.partial(zeropp_backend, passes=passes)
+    compiled = torch.compile(model, backend=backend, options={"inductor": False})
     # Dynamo reports it as the backend's failure, with zeropp's message.
     with pytest.raises(Exception, match=r"OutOfMemoryError: zeropp ran out of memory compiling graph g\d+\.forward "
                        r"in pass 'lower_collectives': simulated.*smaller batch"):

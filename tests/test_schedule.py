@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import unittest.mock
+from typing import Callable
 
 import pytest
 import torch
@@ -14,8 +16,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import zpp_compile as zpp
-from zpp_compile import pass_manager
-from zpp_compile.passes import PassContext, fx_util, schedule_overlap
+from zpp_compile.backend import zeropp_backend
+from zpp_compile.passes import PASSES, PassContext, fx_util, schedule_overlap
 from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
 from zpp_compile.ledger import PHASES, collectives_by_node, phase_of
@@ -56,11 +58,12 @@ def test_bucketed_training_matches_reference(results):
     assert shapes[0]["embed.weight"] == (19, 24) and shapes[1]["embed.weight"] == (18, 24)
 
 
-def final_state(rank: int, world_size: int, options: dict, layers: int = 2) -> tuple[dict, list]:
-    """Parameters after training the compiled model (debug mode) and the collectives it issues."""
+def final_state(rank: int, world_size: int, options: dict, layers: int = 2,
+                backend: Callable | str = "zeropp") -> tuple[dict, list]:
+    """Parameters after training the model compiled by `backend` (debug mode) and the collectives it issues."""
     torch.manual_seed(0)
     model = zpp.shard(TinyTransformer(layers=layers).to(device()), zpp.Config(**options))
-    step_fn = torch.compile(model, backend="zeropp", options={"inductor": False})
+    step_fn = torch.compile(model, backend=backend, options={"inductor": False})
     history = train(model, batches(STEPS, world_size, PER_RANK), step_fn, slice(rank * PER_RANK, (rank + 1) * PER_RANK))
     collectives = [c for g in zpp.REGISTRY.ledger for c in g.collectives]
     return {k: v.cpu() for k, v in zpp.full_state_dict(model).items()}, history, collectives
@@ -326,16 +329,15 @@ def scheduled_graphs(rank: int, world_size: int, configs: list[dict]) -> list[li
         original(graph, ctx)
         captured.append(graph)
 
-    passes = list(pass_manager.PASSES)
+    passes = list(PASSES)
     index = next(i for i, p in enumerate(passes) if p.name == "lower_collectives")
     original = passes[index].run
     passes[index] = dataclasses.replace(passes[index], run=capture)
-    pass_manager.PASSES = tuple(passes)  # this rank's process only
     alive = []
     for options in configs:
         captured.clear()
         torch._dynamo.reset()
-        final_state(rank, world_size, options, layers=6)
+        final_state(rank, world_size, options, layers=6, backend=functools.partial(zeropp_backend, passes=passes))
         alive.append([live_gathers(g) for g in captured])
     return alive
 

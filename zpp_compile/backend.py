@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .compile_cache import PassCache, to_local_as_method
 from .config import Config
 from .pass_manager import PassManager
+from .passes import PASSES, GraphPass
 from .runtime.agreement import check_same_gathers
 from .runtime.cuda_graphs import graphed_inner_compile
 from .runtime.ops import gather_param_args
@@ -33,12 +34,15 @@ from .runtime.registry import REGISTRY, ShardingState
 
 
 def zeropp_backend(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None, *,
+    passes: Sequence[GraphPass] = PASSES,
 ) -> Callable[..., Any]:
     """torch.compile backend: `torch.compile(model, backend="zeropp", options={...})`.
 
     `options` overrides the model's Config for this compilation (same keys as Config); the fields
-    that shard() acts on (`config.SHARD_FIELDS`) may only repeat the model's values.
+    that shard() acts on (`config.SHARD_FIELDS`) may only repeat the model's values. `passes`
+    replaces zeropp's list of passes (to add one, or to wrap one to inspect its graph):
+    `torch.compile(model, backend=functools.partial(zeropp_backend, passes=[...]), options={...})`.
     """
     state = _sharding_state(gm, example_inputs)
     if state is None:  # a graph without parameters (e.g. the loss after a graph break)
@@ -48,7 +52,7 @@ def zeropp_backend(
     # Buckets keep to layer boundaries only when sized by layer; a size in bytes may span layers.
     layers = state.layers if config.bucket_size == "layer" else ()
     config = config.with_layer_size(state.layer_nbytes)
-    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers, _dynamo_frame())
+    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers, _dynamo_frame(), passes)
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)

@@ -48,8 +48,8 @@ def pass_code_version() -> str:
 
     digest = hashlib.sha256()
     for folder in (Path(__file__).parent, *map(Path, passes.__path__), *map(Path, runtime.__path__)):
-        for path in sorted(folder.glob("*.py")):
-            digest.update(path.name.encode())
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(str(path.relative_to(folder)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -66,7 +66,8 @@ def passes_key(manager: PassManager) -> str:
         "config": config,
         "topology": {"rank": topology.rank, "world_size": topology.world_size,
                      "ranks_per_node": topology.ranks_per_node, "device": topology.device.type, "groups": groups},
-        "passes": [(p.name, p.stage) for p in manager.passes],
+        # A pass given to the backend in place of zeropp's own is known by its function's name.
+        "passes": [(p.name, p.stage, p.run.__module__, p.run.__qualname__) for p in manager.passes],
         "layers": list(manager.layers),
     }
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=repr).encode()).hexdigest()

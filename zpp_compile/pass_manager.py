@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -23,9 +23,9 @@ from .runtime.topology import Topology
 log = logging.getLogger(__name__)  # TORCH_LOGS="+zpp_compile" shows it
 
 
-def enabled_passes(config: Config) -> list[GraphPass]:
-    """The passes `config` asks for, minus those switched off by name (Config checked the names)."""
-    return [p for p in PASSES if p.wanted(config) and p.name not in config.disable_passes]
+def enabled_passes(config: Config, passes: Sequence[GraphPass] = PASSES) -> list[GraphPass]:
+    """The `passes` `config` asks for, minus those switched off by name (Config checked the names)."""
+    return [p for p in passes if p.wanted(config) and p.name not in config.disable_passes]
 
 
 @contextlib.contextmanager
@@ -42,14 +42,15 @@ def _naming_pass_on_oom(pass_name: str, graph_name: str) -> Iterator[None]:
 
 
 class PassManager:
-    """The passes for one Dynamo graph (named `graph_id`), applied stage by stage."""
+    """The passes for one Dynamo graph (named `graph_id`), applied stage by stage: zeropp's own
+    (`PASSES`) unless the backend was given others."""
 
     def __init__(self, config: Config, topology: Topology, graph_id: str, layers: tuple[str, ...] = (),
-                 frame: int | None = None) -> None:
+                 frame: int | None = None, passes: Sequence[GraphPass] = PASSES) -> None:
         config = config.with_environment()  # ZEROPP_DUMP_DIR, ZEROPP_DISABLE_PASSES
         self.config, self.topology, self.graph_id, self.layers = config, topology, graph_id, layers
         self.frame = frame  # the Python frame Dynamo compiles (GraphComm.frame)
-        self.passes = enabled_passes(config)
+        self.passes = enabled_passes(config, passes)
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
         self.joint_done = False
         self.model: ShardedModel | None = None  # found in the first graph that gathers parameters
