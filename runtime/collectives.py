@@ -8,7 +8,6 @@ functional collectives it knows how to schedule.
 from __future__ import annotations
 
 import torch
-import torch.distributed.distributed_c10d as c10d
 
 _c10d = torch.ops._c10d_functional
 
@@ -29,8 +28,9 @@ def all_to_all(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tenso
     return _c10d.wait_tensor(_c10d.all_to_all_single(x.contiguous(), splits, splits, group_name))
 
 
-def all_to_all_between_nodes(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """`all_to_all` over a group whose members are on different nodes.
+def all_to_all_between_nodes(x: torch.Tensor, group_size: int, group_name: str, rank_in_group: int) -> torch.Tensor:
+    """`all_to_all` over a group whose members are on different nodes (this rank being member
+    `rank_in_group`).
 
     With two members it is an all-gather of the one chunk each sends its peer: the same bytes,
     but NCCL's network transport runs a collective over all its channels and point-to-point
@@ -38,7 +38,7 @@ def all_to_all_between_nodes(x: torch.Tensor, group_size: int, group_name: str) 
     """
     if group_size != 2:
         return all_to_all(x, group_size, group_name)
-    rank = c10d._resolve_process_group(group_name).rank()
+    rank = rank_in_group
     chunks = x.contiguous().chunk(2)
     gathered = all_gather(chunks[1 - rank], 2, group_name).chunk(2)  # [0's chunk for 1, 1's chunk for 0]
     own, from_peer = chunks[rank], gathered[1 - rank]

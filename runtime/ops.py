@@ -13,6 +13,7 @@ import contextlib
 from typing import Any, Iterator, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 import torch.nn.functional as F
@@ -68,20 +69,23 @@ def reduce_grad_quantized(
     skipped. Sums are in float32; the result is the mean in `dtype`.
     """
     nodes, local = num_nodes, ranks_per_node
+    node = dist.get_rank() // local  # this rank's member index in its inter-node group
     shard_size = grad.numel() // (nodes * local)
     mean = 1.0 / (nodes * local)
     if nodes == 1 or local == 1:
         group, bits = (intra_group, intra_bits) if nodes == 1 else (inter_group, inter_bits)
         packed = torch.ops.zpp.qgz_quantize(grad, nodes, local, bits, block_size)
-        exchange = all_to_all if nodes == 1 else all_to_all_between_nodes
-        received = exchange(packed, nodes * local, group)
+        if nodes == 1:
+            received = all_to_all(packed, local, group)
+        else:
+            received = all_to_all_between_nodes(packed, nodes, group, node)
         shard = torch.ops.zpp.qgz_dequantize_reduce(received, nodes * local, shard_size, bits, block_size, dtype, mean)
         return shard[:shard_numel]
     packed = torch.ops.zpp.qgz_quantize(grad, nodes, local, intra_bits, block_size)
     received = all_to_all(packed, local, intra_group)
     partial = torch.ops.zpp.qgz_reduce_requantize(received, local, nodes, shard_size, intra_bits, inter_bits,
                                                   block_size)
-    received = all_to_all_between_nodes(partial, nodes, inter_group)
+    received = all_to_all_between_nodes(partial, nodes, inter_group, node)
     shard = torch.ops.zpp.qgz_dequantize_reduce(received, nodes, shard_size, inter_bits, block_size, dtype, mean)
     return shard[:shard_numel]
 

@@ -56,7 +56,7 @@ def exact_slices(rank: int, world_size: int, ranks_per_node: int) -> None:
 def two_node_exchange(rank: int, world_size: int) -> list[int]:
     topology = build_topology(1, 0, 60.0)  # 2 nodes x 1: the inter-node group is both ranks
     sent = (torch.arange(8, dtype=torch.uint8) + 10 * rank).view(4, 2).to(device())
-    received = all_to_all_between_nodes(sent, 2, topology.inter_node.name)
+    received = all_to_all_between_nodes(sent, 2, topology.inter_node.name, rank)
     assert torch.equal(received, all_to_all(sent, 2, topology.inter_node.name))
     return received.flatten().tolist()
 
