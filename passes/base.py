@@ -10,11 +10,12 @@ Stages, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
+import torch
 import torch.fx as fx
 
-from ..runtime.ops import gather_param_args, reduce_grad_args
+from ..runtime.ops import dequantize_weight_args, gather_param_args, reduce_grad_args
 
 # Node metadata set on the gather of a parameter read in several places (gather_once): its weight
 # is held from the first read to the last, so bucketing keeps it apart from weights read once.
@@ -44,6 +45,34 @@ def gradient_block_size(config: Any, reduction: fx.Node) -> int:
     shard_numel = args.grad.meta["val"].numel() // args.group_size
     wanted = config.quantized_gradients and shard_numel >= block and not reduction.meta.get(FULL_PRECISION)
     return block if wanted else 0
+
+
+class WeightGather(NamedTuple):
+    """A gathered parameter (or bucket) in the joint graph, as the joint passes left it."""
+
+    weight: fx.Node  # the gathered weight, flat: the gather itself, or qwZ's dequantization
+    gathered: fx.Node  # what the ranks exchanged: the weight, or qwZ's packed INT8 blocks and scales
+    shard_size: int  # elements per rank
+    block_size: int  # qwZ's block size; 0: gathered in full precision
+    dtype: torch.dtype  # of the weight
+
+
+def weight_gathers(graph: fx.Graph) -> list[WeightGather]:
+    """The graph's parameter gathers, in graph order: `zpp.all_gather_param` nodes, and the
+    quantized gathers `quantize_weights` made of them (a `zpp.dequantize_weight` of a
+    `zpp.all_gather_flat`)."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.zpp.all_gather_param.default:
+            args = gather_param_args(node)
+            found.append(WeightGather(node, node, args.shard_size, 0, args.dtype))
+        elif node.target is torch.ops.zpp.dequantize_weight.default:
+            args = dequantize_weight_args(node)
+            if args.packed.target is torch.ops.zpp.all_gather_flat.default:
+                found.append(WeightGather(node, args.packed, args.n, args.block_size, args.dtype))
+    return found
 
 
 @dataclass(frozen=True)

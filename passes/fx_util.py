@@ -28,12 +28,14 @@ def is_backward(graph: fx.Graph) -> bool:
     return any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
 
 
-def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tensor], *args: Any) -> fx.Node:
+def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tensor], *args: Any,
+                  meta: dict[str, Any] | None = None) -> fx.Node:
     """Inserts the aten ops of `fn(*args)`, traced on the args' fake values, before `before`.
 
     `args` are fx Nodes (standing for their tensors) or constants. The inserted nodes carry
-    "val" metadata like the rest of the graph, and are decomposed as Inductor expects of the
-    graphs its passes see. Returns the node holding fn's result.
+    "val" metadata like the rest of the graph, plus `meta` (e.g. the replaced node's recompute
+    tag), and are decomposed as Inductor expects of the graphs its passes see. Returns the node
+    holding fn's result.
 
     Tracing costs far more than copying: a trace is kept (in the registry) and copied again for
     the same function, constants and argument shapes, as every identical layer of a model asks
@@ -54,7 +56,10 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
             traced = make_fx(with_constants, decomposition_table=select_decomp_table())(*values)
     copies = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], tensor_args))
     with graph.inserting_before(before):
-        result = graph.graph_copy(traced.graph, copies)
+        result = graph.graph_copy(traced.graph, copies)  # also maps each copied node in `copies`
+    for original, node in copies.items():
+        if meta and original.op == "call_function":
+            node.meta.update(meta)
     if key is not None and key in REGISTRY.traces:
         _propagate_values(copies, fake_mode)
     elif key is not None:
@@ -91,9 +96,10 @@ def _propagate_values(copies: dict[fx.Node, fx.Node], fake_mode: Any) -> None:
                 node.meta["val"] = node.target(*args, **kwargs)
 
 
-def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.Tensor], *args: Any) -> fx.Node:
+def replace_with_traced(graph: fx.Graph, node: fx.Node, fn: Callable[..., torch.Tensor], *args: Any,
+                        meta: dict[str, Any] | None = None) -> fx.Node:
     """Replaces `node` by the aten ops of `fn(*args)` (see `insert_traced`)."""
-    result = insert_traced(graph, node, fn, *args)
+    result = insert_traced(graph, node, fn, *args, meta=meta)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return result

@@ -6,9 +6,9 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..runtime.ops import gather_param_args, gather_secondary, quantize_and_gather, secondary_slice
-from .base import RECOMPUTED, PassContext, weight_block_size
-from .fx_util import backward_nodes, insert_traced, nodes_calling, replace_with_traced, weight_chain
+from ..runtime.ops import gather_secondary, secondary_slice
+from .base import RECOMPUTED, PassContext, weight_gathers
+from .fx_util import backward_nodes, insert_traced, weight_chain
 
 
 def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
@@ -17,10 +17,10 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
     For every parameter gather whose weight backward uses: forward keeps this rank's slice of
     the gathered weight as the secondary copy (tagged MUST_SAVE); backward gathers the copies of
     its secondary group (consecutive ranks, normally one node) and rebuilds the weight; the casts
-    and views that backward applied to the weight are repeated on the rebuilt one. With qwZ, the
-    forward gather is made explicit here and the copy is the received INT8 blocks and scales:
-    half the memory and intra-node traffic, and backward sees exactly the weights forward used.
-    With a group of one rank the copy is the whole weight and backward gathers nothing.
+    and views that backward applied to the weight are repeated on the rebuilt one. After qwZ
+    (`quantize_weights`) the copy is cut from the received INT8 blocks and scales: half the memory
+    and intra-node traffic, and backward sees exactly the weights forward used. With a group of
+    one rank the copy is the whole gathered buffer and backward gathers nothing.
     """
     config, topology = ctx.config, ctx.topology
     members = config.hpz_partition_size
@@ -30,25 +30,17 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
     # activation checkpointing recomputes in backward.
     needs_grad = backward_nodes(graph) | {n for n in graph.nodes if n.meta.get(RECOMPUTED)}
     order = {node: index for index, node in enumerate(graph.nodes)}
-    for gather in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
-        chain = weight_chain(gather)
+    for gather in weight_gathers(graph):
+        chain = weight_chain(gather.weight)
         backward_users = [u for n in chain for u in n.users if u in needs_grad and u not in chain]
         if not backward_users:
             continue
         first_backward_use = min(backward_users, key=order.__getitem__)
-        args = gather_param_args(gather)
-        block = weight_block_size(config, gather)
 
-        # Forward: the gathered buffer the copy is cut from (packed bytes with qwZ).
-        if block:
-            gathered = insert_traced(graph, gather, quantize_and_gather, args.shard, args.shard_size, args.group_size,
-                                     args.group_name, block)
-            weight = replace_with_traced(graph, gather, torch.ops.zpp.dequantize_weight, gathered, args.shard_size,
-                                         block, args.dtype)
-        else:
-            gathered = weight = gather
+        # Forward: the copy is cut from the gathered buffer (packed bytes with qwZ).
+        weight = gather.weight
         users = set(weight.users)  # before the copy's own nodes start reading the weight
-        copy = insert_traced(graph, weight.next, secondary_slice, gathered, member, members)
+        copy = insert_traced(graph, weight.next, secondary_slice, gather.gathered, member, members)
         copy.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         copy.meta["zpp_secondary_copy"] = True
         with graph.inserting_after(copy):
@@ -59,7 +51,8 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
         # Backward: the weight rebuilt from the secondary group, and the chain repeated on it.
         chain = [kept, *chain[1:]]
         rebuilt = {kept: insert_traced(
-            graph, first_backward_use, gather_secondary, copy, members, secondary, args.shard_size, block, args.dtype)}
+            graph, first_backward_use, gather_secondary, copy, members, secondary, gather.shard_size, gather.block_size,
+            gather.dtype)}
         with graph.inserting_before(first_backward_use):
             for node in chain[1:]:
                 rebuilt[node] = graph.node_copy(node, lambda arg: rebuilt.get(arg, arg))

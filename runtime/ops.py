@@ -285,6 +285,15 @@ class GatherFlatArgs(NamedTuple):
     group_name: str
 
 
+class DequantizeWeightArgs(NamedTuple):
+    """The arguments of a `zpp::dequantize_weight` node."""
+
+    packed: fx.Node
+    n: int
+    block_size: int
+    dtype: torch.dtype
+
+
 def gather_param_args(node: fx.Node) -> GatherParamArgs:
     return GatherParamArgs(**_named_arguments(node, torch.ops.zpp.all_gather_param.default))
 
@@ -295,6 +304,10 @@ def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
 
 def gather_flat_args(node: fx.Node) -> GatherFlatArgs:
     return GatherFlatArgs(**_named_arguments(node, torch.ops.zpp.all_gather_flat.default))
+
+
+def dequantize_weight_args(node: fx.Node) -> DequantizeWeightArgs:
+    return DequantizeWeightArgs(**_named_arguments(node, torch.ops.zpp.dequantize_weight.default))
 
 
 def _named_arguments(node: fx.Node, op: torch._ops.OpOverload) -> dict[str, Any]:

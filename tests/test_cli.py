@@ -22,8 +22,7 @@ SCRIPT = Path(__file__).parent / "cli_train.py"
 # All three techniques, 2 ranks as 2 emulated nodes (so every byte of ZeRO-3 would cross nodes).
 PAPER = {"quantized_weights": True, "hpz_partition_size": 1, "quantized_gradients": True, "ranks_per_node": 1,
          "inductor": False}
-# qwZ asked for in the config but its pass switched off from the command line (no hpZ, which
-# would quantize the forward gathers itself).
+# qwZ asked for in the config but its pass switched off from the command line.
 NO_QWZ = {"quantized_weights": True, "quantized_gradients": True, "ranks_per_node": 1, "inductor": False}
 
 

@@ -93,8 +93,7 @@ def predict(config: Config, n_params: int, world_size: int, ranks_per_node: int,
     config.check_topology(world_size, ranks_per_node)
     on = {p.name for p in enabled_passes(config)}
     hpz = "hierarchical_partition" in on
-    # hpZ gathers forward weights itself, quantized when qwZ is asked for (see hierarchical_partition).
-    qwz = config.quantized_weights and ("quantize_weights" in on or hpz)
+    qwz = "quantize_weights" in on
     qgz = "quantize_gradients" in on
     link = _Link(world_size, ranks_per_node)
     shard = math.ceil(n_params / world_size)
