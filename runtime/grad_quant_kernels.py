@@ -53,6 +53,7 @@ Arguments of the kernels and their helpers: the table in ``grad_quant_tiles.py``
     V, MODE, EVEN      elements per 16-byte vector of the gradient; how it is read
                        (``_tl_load_grad``); S is a multiple of the tile (no masks)
     lim                elements of the tile inside the shard / the output
+    piece_words        words of one packed piece (its code words, then its scales)
     P, full_tiles      pieces; full tiles per piece
     t, nprog, nxt      a tile of the persistent loop; programs per piece; the next tile's loads
     TAIL, CHUNK, L2    a partial last tile; tiles between two looks for the slow path; L2 prefetch
@@ -81,7 +82,7 @@ from .triton_common import INF
 # ---- qgz_quantize ----------------------------------------------------------------------------
 
 @triton.jit
-def _tl_load_grad(x_ptr, xb, oc, oin, lim, OB: tl.constexpr, G: tl.constexpr,
+def _tl_load_grad(x_ptr, xb, octet, blk_octet, lim, OB: tl.constexpr, G: tl.constexpr,
                   BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr, V: tl.constexpr,
                   MODE: tl.constexpr, MASKED: tl.constexpr, PAD: tl.constexpr):
     """The tile's elements as 8 float32 lanes. xb: the tile's first element (int64); lim:
@@ -90,11 +91,11 @@ def _tl_load_grad(x_ptr, xb, oc, oin, lim, OB: tl.constexpr, G: tl.constexpr,
     (16-byte) vectors; 1: bfloat16 elements read as int16 bits; 2: bfloat16 pairs read as
     int32 (one instruction per element to decode); 3: float16 pairs read as int32."""
     if MODE >= 2:   # [G, BPP, REP, U, 4] pairs; an octet is 4 pairs (16 bytes)
-        idx = (oc * 4)[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :]
+        idx = (octet * 4)[:, :, :, :, None] + tl.arange(0, 4)[None, None, None, None, :]
         if MASKED:
             msk = idx * 2 < lim
             if PAD:
-                msk = msk & (oin < OB)[:, :, :, :, None]
+                msk = msk & (blk_octet < OB)[:, :, :, :, None]
             w = tl.load(x_ptr + xb // 2 + idx, mask=msk, other=0)
         else:
             w = tl.load(x_ptr + xb // 2 + idx)
@@ -106,12 +107,12 @@ def _tl_load_grad(x_ptr, xb, oc, oin, lim, OB: tl.constexpr, G: tl.constexpr,
             hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         x = tl.reshape(tl.join(lo, hi), (G, BPP, REP, U, 8))
     else:
-        idx = ((oc * 8)[:, :, :, :, None, None] + (tl.arange(0, 8 // V) * V)[None, None, None, None, :, None]
+        idx = ((octet * 8)[:, :, :, :, None, None] + (tl.arange(0, 8 // V) * V)[None, None, None, None, :, None]
                + tl.arange(0, V)[None, None, None, None, None, :])
         if MASKED:
             msk = idx < lim
             if PAD:
-                msk = msk & (oin < OB)[:, :, :, :, None, None]
+                msk = msk & (blk_octet < OB)[:, :, :, :, None, None]
             xi = tl.load(x_ptr + xb + idx, mask=msk, other=0)
         else:
             xi = tl.load(x_ptr + xb + idx)
@@ -138,19 +139,19 @@ def qgz_quantize_kernel(x_ptr, w32_ptr, f32_ptr, S, nb, N, R, BITS: tl.constexpr
     node = piece % N
     shard = node * R + local_rank   # the reorder: read shard (m, r) of g viewed [N, R, S]
     blk = pid * BPP + tl.arange(0, BPP)
-    oc, oin = tl_octets(G, BPP, REP, U, OB)
-    omask = (oin < OB) & (blk < nb)[None, :, None, None]      # codes to store
+    octet, blk_octet = tl_octets(G, BPP, REP, U, OB)
+    omask = (blk_octet < OB) & (blk < nb)[None, :, None, None]      # codes to store
     t0 = pid.to(tl.int64) * (BPP * B)
     xb = shard.to(tl.int64) * S + t0
     lim = tl.minimum(S - t0, BPP * B).to(tl.int32)           # elements of the tile in the shard
-    x0, x1, x2, x3, x4, x5, x6, x7 = _tl_load_grad(x_ptr, xb, oc, oin, lim, OB, G, BPP, REP, U,
+    x0, x1, x2, x3, x4, x5, x6, x7 = _tl_load_grad(x_ptr, xb, octet, blk_octet, lim, OB, G, BPP, REP, U,
                                                    V, MODE, MASKED, PAD)
     scale, inv, bad = tl_scales(x0, x1, x2, x3, x4, x5, x6, x7, Q)
     inv4 = inv[None, :, None, None]
     piece_words = tl.cast(nb, tl.int64) * (B * BITS // 32 + 1)     # piece size in words
     wbase = piece.to(tl.int64) * piece_words + pid.to(tl.int64) * (BPP * OB * BITS // 4)
     zero = nb >> 31                                            # nb >= 0: a run-time 0
-    tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, blk, nb,
+    tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, octet, omask, blk, nb,
                    zero, BITS, G, BPP, REP, U, OB, MASKED, False, EMU)
     scales_base = piece.to(tl.int64) * piece_words + tl.cast(nb, tl.int64) * (B * BITS // 32)
     if MASKED:
@@ -162,16 +163,16 @@ def qgz_quantize_kernel(x_ptr, w32_ptr, f32_ptr, S, nb, N, R, BITS: tl.constexpr
         # of the common path stays live for this branch). lim1 == lim in effect; a
         # different bound keeps the compiler from holding the first load's mask.
         lim1 = tl.minimum(S - t0, BPP * B + 16).to(tl.int32)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _tl_load_grad(x_ptr, xb, oc, oin, lim1, OB, G, BPP,
+        x0, x1, x2, x3, x4, x5, x6, x7 = _tl_load_grad(x_ptr, xb, octet, blk_octet, lim1, OB, G, BPP,
                                                        REP, U, V, MODE, MASKED, PAD)
-        tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, oc, omask, blk,
+        tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv4, w32_ptr, wbase, octet, omask, blk,
                        nb, zero, BITS, G, BPP, REP, U, OB, MASKED, True, EMU)
 
 
 # ---- qgz_reduce_requantize -------------------------------------------------------------------
 
 @triton.jit
-def _tl_sum_requant_store(srcs, out_w32, out_f32, obase, b0, oc, oin, nb, K: tl.constexpr,
+def _tl_sum_requant_store(srcs, out_w32, out_f32, obase, b0, octet, blk_octet, nb, K: tl.constexpr,
                           IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, B: tl.constexpr,
                           G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr,
                           U: tl.constexpr, MASKED: tl.constexpr, SLOW: tl.constexpr,
@@ -184,10 +185,10 @@ def _tl_sum_requant_store(srcs, out_w32, out_f32, obase, b0, oc, oin, nb, K: tl.
                                                  EMU)
     scale, inv, bad = tl_scales(a0, a1, a2, a3, a4, a5, a6, a7, Q)
     blk = b0 + tl.arange(0, BPP)
-    omask = tl_octet_mask(oin, blk, nb, B, MASKED)
+    omask = tl_octet_mask(blk_octet, blk, nb, B, MASKED)
     wb = obase + b0.to(tl.int64) * (B * OUT_BITS // 32)
     tl_quant_store(a0, a1, a2, a3, a4, a5, a6, a7, inv[None, :, None, None], out_w32, wb,
-                   oc, omask, blk, nb, zero, OUT_BITS, G, BPP, REP, U, B // 8, MASKED, SLOW,
+                   octet, omask, blk, nb, zero, OUT_BITS, G, BPP, REP, U, B // 8, MASKED, SLOW,
                    EMU)
     bid = tl_block_ids(b0, nb, G, BPP)                  # the G threads of a block store alike
     sp = out_f32 + obase + tl.cast(nb, tl.int64) * (B * OUT_BITS // 32) + bid
@@ -233,7 +234,7 @@ def _tl_prefetch_l2(in_w32, in_f32, base0, stride, t, full_tiles, nb, K: tl.cons
 
 @triton.jit
 def _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32, out_f32, base0, stride,
-             obase, oc, oin, nb, K: tl.constexpr, IN_BITS: tl.constexpr,
+             obase, octet, blk_octet, nb, K: tl.constexpr, IN_BITS: tl.constexpr,
              OUT_BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
              REP: tl.constexpr, U: tl.constexpr, PAD: tl.constexpr, L2: tl.constexpr,
              EMU: tl.constexpr):
@@ -244,19 +245,19 @@ def _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32, out_f32, base0,
     with L2, the tile after it is prefetched into L2."""
     cur = nxt
     nxt = tl_load_tile(in_w32, in_f32, base0, stride,
-                       tl.minimum(t + nprog, full_tiles - 1) * BPP, oc, oin, nb, K,
+                       tl.minimum(t + nprog, full_tiles - 1) * BPP, octet, blk_octet, nb, K,
                        IN_BITS, B, G, BPP, REP, U, PAD)
     if L2:
         _tl_prefetch_l2(in_w32, in_f32, base0, stride, t + 2 * nprog, full_tiles, nb, K,
                         IN_BITS, B, BPP)
-    bad = _tl_sum_requant_store(cur, out_w32, out_f32, obase, t * BPP, oc, oin, nb, K,
+    bad = _tl_sum_requant_store(cur, out_w32, out_f32, obase, t * BPP, octet, blk_octet, nb, K,
                                 IN_BITS, OUT_BITS, B, G, BPP, REP, U, PAD, False, EMU)
     return bad, nxt
 
 
 @triton.jit
 def _tl_slow_tiles(bad, t0, step, in_w32, in_f32, out_w32, out_f32, base0, stride, obase,
-                   oc, oin, nb, K: tl.constexpr, IN_BITS: tl.constexpr,
+                   octet, blk_octet, nb, K: tl.constexpr, IN_BITS: tl.constexpr,
                    OUT_BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
                    BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
                    MASKED: tl.constexpr, EMU: tl.constexpr):
@@ -267,9 +268,9 @@ def _tl_slow_tiles(bad, t0, step, in_w32, in_f32, out_w32, out_f32, base0, strid
     t = t0
     while bad != 0:
         if (bad & 1) != 0:
-            again = tl_load_tile(in_w32, in_f32, base0, stride, t * BPP, oc, oin, nb, K,
+            again = tl_load_tile(in_w32, in_f32, base0, stride, t * BPP, octet, blk_octet, nb, K,
                                  IN_BITS, B, G, BPP, REP, U, MASKED)
-            _tl_sum_requant_store(again, out_w32, out_f32, obase, t * BPP, oc, oin, nb, K,
+            _tl_sum_requant_store(again, out_w32, out_f32, obase, t * BPP, octet, blk_octet, nb, K,
                                   IN_BITS, OUT_BITS, B, G, BPP, REP, U, MASKED, True, EMU)
         bad = bad >> 1
         t += step
@@ -291,7 +292,7 @@ def qgz_reduce_requantize_kernel(in_w32, in_f32, out_w32, out_f32, P, nb, full_t
     i = tl.program_id(0)
     nprog = tl.num_programs(0)
     p = tl.program_id(1)
-    oc, oin = tl_octets(G, BPP, REP, U, B // 8)
+    octet, blk_octet = tl_octets(G, BPP, REP, U, B // 8)
     # source k, piece p at word (k * P + p) * pw_in; every source read once
     pw_in = tl.cast(nb, tl.int64) * (B * IN_BITS // 32 + 1)      # piece size in words
     pw_out = tl.cast(nb, tl.int64) * (B * OUT_BITS // 32 + 1)
@@ -300,7 +301,7 @@ def qgz_reduce_requantize_kernel(in_w32, in_f32, out_w32, out_f32, P, nb, full_t
     obase = p.to(tl.int64) * pw_out
     no_bits = tl.full((), 0, tl.uint32)
     if full_tiles > 0:   # then i < full_tiles (the launcher's grid)
-        nxt = tl_load_tile(in_w32, in_f32, base0, stride, i * BPP, oc, oin, nb, K,
+        nxt = tl_load_tile(in_w32, in_f32, base0, stride, i * BPP, octet, blk_octet, nb, K,
                            IN_BITS, B, G, BPP, REP, U, PAD)
         if L2:
             _tl_prefetch_l2(in_w32, in_f32, base0, stride, i + nprog, full_tiles, nb, K,
@@ -313,27 +314,27 @@ def qgz_reduce_requantize_kernel(in_w32, in_f32, out_w32, out_f32, P, nb, full_t
             t = c
             while t < end:
                 flag, nxt = _tl_step(nxt, t, nprog, full_tiles, in_w32, in_f32, out_w32,
-                                     out_f32, base0, stride, obase, oc, oin, nb, K,
+                                     out_f32, base0, stride, obase, octet, blk_octet, nb, K,
                                      IN_BITS, OUT_BITS, B, G, BPP, REP, U, PAD, L2, EMU)
                 bad = bad | tl.where(flag, bit, no_bits)
                 bit = bit << 1
                 t += nprog
             # one reduction across the program's threads per chunk, not per tile
             _tl_slow_tiles(tl.reduce(bad, 0, _tl_or), c, nprog, in_w32, in_f32, out_w32,
-                           out_f32, base0, stride, obase, oc, oin, nb, K, IN_BITS, OUT_BITS, B,
+                           out_f32, base0, stride, obase, octet, blk_octet, nb, K, IN_BITS, OUT_BITS, B,
                            G, BPP, REP, U, PAD, EMU)
             c += nprog * CHUNK
     if TAIL:   # the partial last tile (one per piece) goes through the slow path, masked
         if i == 0:
             _tl_slow_tiles(no_bits + 1, full_tiles, 1, in_w32, in_f32, out_w32, out_f32,
-                           base0, stride, obase, oc, oin, nb, K, IN_BITS, OUT_BITS, B, G, BPP,
+                           base0, stride, obase, octet, blk_octet, nb, K, IN_BITS, OUT_BITS, B, G, BPP,
                            REP, U, True, EMU)
 
 
 # ---- qgz_dequantize_reduce -------------------------------------------------------------------
 
 @triton.jit
-def _tl_dequant_tile(in_w32, in_f32, out_ptr, piece_words, oc, oin, b0, nb, lim, scale,
+def _tl_dequant_tile(in_w32, in_f32, out_ptr, piece_words, octet, blk_octet, b0, nb, lim, scale,
                      K: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
                      BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr,
                      MASKED: tl.constexpr, PAD: tl.constexpr, SLOW: tl.constexpr,
@@ -341,7 +342,7 @@ def _tl_dequant_tile(in_w32, in_f32, out_ptr, piece_words, oc, oin, b0, nb, lim,
     """Sum the sources over the tile, times ``scale``, stored in the output dtype; returns
     whether the tile holds an inf-marker block (then it needs the slow path: the fast one
     read the marker as a scale)."""
-    srcs = tl_load_tile(in_w32, in_f32, piece_words * 0, piece_words, b0, oc, oin, nb, K, BITS, B,
+    srcs = tl_load_tile(in_w32, in_f32, piece_words * 0, piece_words, b0, octet, blk_octet, nb, K, BITS, B,
                         G, BPP, REP, U, MASKED)
     a0, a1, a2, a3, a4, a5, a6, a7 = tl_sum_tile(srcs, nb >> 31, K, BITS, G, BPP, REP, U,
                                                  SLOW, EMU)
@@ -388,12 +389,12 @@ def qgz_dequantize_reduce_kernel(in_w32, in_f32, out_ptr, S, nb, scale, K: tl.co
     MASKED: tl.constexpr = (not EVEN) or PAD
     pid = tl.program_id(0)
     b0 = pid * BPP
-    oc, oin = tl_octets(G, BPP, REP, U, OB)
+    octet, blk_octet = tl_octets(G, BPP, REP, U, OB)
     lim = tl.minimum(S - pid.to(tl.int64) * (BPP * B), BPP * B).to(tl.int32)
     piece_words = tl.cast(nb, tl.int64) * (B * BITS // 32 + 1)
     # Fast path unconditionally; a tile with inf markers (RARE, tile-uniform) is done again,
     # overwriting it.
-    if _tl_dequant_tile(in_w32, in_f32, out_ptr, piece_words, oc, oin, b0, nb, lim, scale, K,
+    if _tl_dequant_tile(in_w32, in_f32, out_ptr, piece_words, octet, blk_octet, b0, nb, lim, scale, K,
                         BITS, B, G, BPP, REP, U, MASKED, PAD, False, ENCODE_BF16, EMU):
-        _tl_dequant_tile(in_w32, in_f32, out_ptr, piece_words, oc, oin, b0, nb, lim, scale, K,
+        _tl_dequant_tile(in_w32, in_f32, out_ptr, piece_words, octet, blk_octet, b0, nb, lim, scale, K,
                          BITS, B, G, BPP, REP, U, MASKED, PAD, True, ENCODE_BF16, EMU)

@@ -33,12 +33,13 @@ arguments; a docstring names only what is its own)::
     G, BPP, REP, U     the tile's shape: threads per block, blocks per tile, octet vectors per
                        thread and block, octets per thread vector (TUNING's ``octets``)
     K                  sources summed (the ranks whose pieces arrived)
-    oc, oin            octet index in the tile, octet index in its block (``tl_octets``)
+    octet, blk_octet   octet index in the tile; the same octet's index in its block (``tl_octets``)
     b0, blk, nb        the tile's first block, its block indices, blocks per piece
     omask              octets inside the piece (``tl_octet_mask``)
     w, wb, s           one source's code words (INT4: w twice; INT8: octet halves), its scales
     srcs               the K (w, wb, s) of a tile, one flat tuple (``tl_load_tile``)
-    *_ptr, *_w32, *_f32     one buffer viewed as int32 code words / float32 scales
+    in_w32, in_f32     the received sources viewed as int32 code words / float32 scales;
+                       out_w32, out_f32 the output, w32_ptr, f32_ptr, w_ptr likewise
     base, base0, stride     word offsets: a source's piece; source 0's piece; source k's is
                             base0 + k * stride
     wbase, obase       word offsets: the tile's first code word; the output piece
@@ -111,22 +112,22 @@ def tl_pair_words(G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr, U: tl.c
 
 
 @triton.jit
-def tl_pair_mask(oin8, blk, nb, OB: tl.constexpr, MASKED: tl.constexpr):
+def tl_pair_mask(pair_blk_octet, blk, nb, OB: tl.constexpr, MASKED: tl.constexpr):
     """Mask of the pair words (see tl_pair_words), word by word."""
     if MASKED:
-        m = (oin8 < OB) & (blk < nb)[None, :, None, None, None]
+        m = (pair_blk_octet < OB) & (blk < nb)[None, :, None, None, None]
     else:
-        m = oin8 < OB
+        m = pair_blk_octet < OB
     return m
 
 
 @triton.jit
-def tl_octet_mask(oin, blk, nb, B: tl.constexpr, MASKED: tl.constexpr):
+def tl_octet_mask(blk_octet, blk, nb, B: tl.constexpr, MASKED: tl.constexpr):
     """Octets inside the piece (and inside their block, when B / 8 is no power of 2)."""
     if MASKED:
-        m = (oin < B // 8) & (blk < nb)[None, :, None, None]
+        m = (blk_octet < B // 8) & (blk < nb)[None, :, None, None]
     else:
-        m = oin < B // 8
+        m = blk_octet < B // 8
     return m
 
 
@@ -210,7 +211,7 @@ def tl_pack_bytes(c0, c1, c2, c3, k256):
 
 
 @triton.jit
-def tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv, w_ptr, wbase, oc, omask, blk, nb,
+def tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv, w_ptr, wbase, octet, omask, blk, nb,
                    zero, BITS: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
                    REP: tl.constexpr, U: tl.constexpr, OB: tl.constexpr,
                    MASKED: tl.constexpr, CHECK: tl.constexpr, EMU: tl.constexpr):
@@ -235,17 +236,17 @@ def tl_quant_store(x0, x1, x2, x3, x4, x5, x6, x7, inv, w_ptr, wbase, oc, omask,
         lo = ((c2 * k16 + c1) * k16 + c0) & 0xFFF
         w = (hi * (4096 + zero) + lo) ^ -2004318072         # 0x88888888: two's complement
         if MASKED:
-            tl.store(w_ptr + wbase + oc, w, mask=omask)
+            tl.store(w_ptr + wbase + octet, w, mask=omask)
         else:
-            tl.store(w_ptr + wbase + oc, w)
+            tl.store(w_ptr + wbase + octet, w)
     else:
         k256 = 256 + zero
         wa = tl_pack_bytes(c0, c1, c2, c3, k256)
         wb = tl_pack_bytes(c4, c5, c6, c7, k256)
         ww = tl.reshape(tl.join(wa, wb), (G, BPP, REP, U // 2, 4))
-        idx, oin8 = tl_pair_words(G, BPP, REP, U, OB)
+        idx, pair_blk_octet = tl_pair_words(G, BPP, REP, U, OB)
         if MASKED:
-            tl.store(w_ptr + wbase + idx, ww, mask=tl_pair_mask(oin8, blk, nb, OB, MASKED))
+            tl.store(w_ptr + wbase + idx, ww, mask=tl_pair_mask(pair_blk_octet, blk, nb, OB, MASKED))
         else:
             tl.store(w_ptr + wbase + idx, ww)
 
@@ -295,7 +296,7 @@ def tl_acc_code(acc, c, s, Q: tl.constexpr, FIRST: tl.constexpr, SLOW: tl.conste
 
 
 @triton.jit
-def tl_load_words(w_ptr, wbase, oc, omask, blk, nb, BITS: tl.constexpr, G: tl.constexpr,
+def tl_load_words(w_ptr, wbase, octet, omask, blk, nb, BITS: tl.constexpr, G: tl.constexpr,
                   BPP: tl.constexpr, REP: tl.constexpr, U: tl.constexpr, OB: tl.constexpr,
                   MASKED: tl.constexpr):
     """Code words of the tile's octets: INT4 -> (w, w), w [G, BPP, REP, U] one word per
@@ -303,14 +304,14 @@ def tl_load_words(w_ptr, wbase, oc, omask, blk, nb, BITS: tl.constexpr, G: tl.co
     loaded as 16-byte vectors. Masked octets read as 0 words (codes 0)."""
     if BITS == 4:
         if MASKED:
-            w = tl.load(w_ptr + wbase + oc, mask=omask, other=0)
+            w = tl.load(w_ptr + wbase + octet, mask=omask, other=0)
         else:
-            w = tl.load(w_ptr + wbase + oc)
+            w = tl.load(w_ptr + wbase + octet)
         wb = w
     else:
-        idx, oin8 = tl_pair_words(G, BPP, REP, U, OB)
+        idx, pair_blk_octet = tl_pair_words(G, BPP, REP, U, OB)
         if MASKED:
-            ww = tl.load(w_ptr + wbase + idx, mask=tl_pair_mask(oin8, blk, nb, OB, MASKED),
+            ww = tl.load(w_ptr + wbase + idx, mask=tl_pair_mask(pair_blk_octet, blk, nb, OB, MASKED),
                          other=0)
         else:
             ww = tl.load(w_ptr + wbase + idx)
@@ -319,7 +320,7 @@ def tl_load_words(w_ptr, wbase, oc, omask, blk, nb, BITS: tl.constexpr, G: tl.co
 
 
 @triton.jit
-def tl_load_source(w32_ptr, f32_ptr, base, cw, b0, blk, oc, omask, nb, BITS: tl.constexpr,
+def tl_load_source(w32_ptr, f32_ptr, base, cw, b0, blk, octet, omask, nb, BITS: tl.constexpr,
                    B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr, REP: tl.constexpr,
                    U: tl.constexpr, MASKED: tl.constexpr):
     """The tile's code words and block scales of the piece at word offset ``base`` (``cw``
@@ -330,24 +331,24 @@ def tl_load_source(w32_ptr, f32_ptr, base, cw, b0, blk, oc, omask, nb, BITS: tl.
     else:
         s = tl.load(f32_ptr + base + cw + bid)
     wt = base + b0.to(tl.int64) * (B * BITS // 32)
-    w, wb = tl_load_words(w32_ptr, wt, oc, omask, blk, nb, BITS, G, BPP, REP, U, B // 8,
+    w, wb = tl_load_words(w32_ptr, wt, octet, omask, blk, nb, BITS, G, BPP, REP, U, B // 8,
                           MASKED)
     return w, wb, s
 
 
 @triton.jit
-def tl_load_tile(in_w32, in_f32, base0, stride, b0, oc, oin, nb, K: tl.constexpr,
+def tl_load_tile(in_w32, in_f32, base0, stride, b0, octet, blk_octet, nb, K: tl.constexpr,
                  BITS: tl.constexpr, B: tl.constexpr, G: tl.constexpr, BPP: tl.constexpr,
                  REP: tl.constexpr, U: tl.constexpr, MASKED: tl.constexpr):
     """All K sources of the tile of blocks [b0, b0 + BPP), the piece of source k at word
     offset ``base0 + k * stride``: a tuple (w, wb, scale) * K. The loads are independent,
     so all of them can be in flight together."""
     blk = b0 + tl.arange(0, BPP)
-    omask = tl_octet_mask(oin, blk, nb, B, MASKED)
+    omask = tl_octet_mask(blk_octet, blk, nb, B, MASKED)
     cw = tl.cast(nb, tl.int64) * (B * BITS // 32)          # code words per piece
     srcs = ()
     for k in tl.static_range(K):
-        srcs = srcs + tl_load_source(in_w32, in_f32, base0 + k * stride, cw, b0, blk, oc,
+        srcs = srcs + tl_load_source(in_w32, in_f32, base0 + k * stride, cw, b0, blk, octet,
                                      omask, nb, BITS, B, G, BPP, REP, U, MASKED)
     return srcs
 

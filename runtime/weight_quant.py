@@ -253,21 +253,33 @@ if HAS_TRITON:
 
     @triton.jit
     def _dequantize_kernel(
-        codes_ptr,  # the packed bytes as int8
-        words_ptr,  # the same bytes as float32 (scales live there)
+        codes_ptr,
+        words_ptr,
         out_ptr,
         n,
         nb,
-        chunk_bytes,  # packed_weight_bytes(n, B)
-        chunk_words,  # chunk_bytes // 4
-        scale_word0,  # nb * B // 4: first scale of a chunk, in words
+        chunk_bytes,
+        chunk_words,
+        scale_word0,
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
-        G: tl.constexpr,  # threads along a block chunk of G * V elements
-        V: tl.constexpr,  # elements per thread vector: 16 bytes of output
+        G: tl.constexpr,
+        V: tl.constexpr,
         EVEN: tl.constexpr,
         SOFT_BF16: tl.constexpr,
     ):
+        """Grid (tiles, R): program (i, c) dequantizes blocks [i * ROWS, (i + 1) * ROWS) of chunk c.
+
+            codes_ptr, words_ptr      the R packed chunks as int8 codes / as float32 words (scales)
+            out_ptr, n, nb            the output (R * n values); elements and blocks per chunk
+            chunk_bytes, chunk_words  packed_weight_bytes(n, B), in bytes / in 4-byte words
+            scale_word0               nb * B // 4: a chunk's first scale, in words
+            BLOCK, ROWS               elements per block; blocks per program
+            G, V                      threads along a run of G * V elements of a block; elements
+                                      per thread vector (16 bytes of output)
+            EVEN, SOFT_BF16           n is a multiple of the tile (no masks); bf16 output rounded
+                                      on the bits (the interpreter's cast truncates)
+        """
         # Tile [G, ROWS, REP, V]: element (g, r, j, v) is element j*G*V + g*V + v of block r. The
         # codes are read with the output's vector width (4 or 8 bytes), so loads and 16-byte
         # stores share one register layout: no shuffle through shared memory.
