@@ -46,7 +46,7 @@ issues per output element. Tiles are assigned statically: claiming them from ato
 the compiler issue the next tile's loads later in the loop. The measurements behind these choices
 are in PERFORMANCE.md ("Kernel design: what was measured").
 
-Arguments of the kernels and their helpers: the table in ``grad_quant_tiles.py``, and
+Arguments of the kernels and their helpers: the table in ``grad_quant_tiles.py``, and::
 
     x_ptr, S, N, R     the gradient (float32, or 16-bit words / pairs, MODE); shard size; nodes,
                        ranks per node
@@ -66,13 +66,13 @@ import triton
 import triton.language as tl
 
 from .grad_quant_tiles import (
+    tl_block_ids,
     tl_join8,
     tl_load_tile,
     tl_octet_mask,
     tl_octets,
     tl_quant_store,
     tl_scales,
-    tl_block_ids,
     tl_split8,
     tl_sum_tile,
 )
