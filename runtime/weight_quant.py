@@ -22,8 +22,7 @@ Arithmetic (float32, identical in the Triton kernels and their torch twins, bit 
     in a non-finite block: -128 -> NaN, 127 -> +inf, -127 -> -inf, any other code -> 0.
 
 Why this formula: one multiply per element instead of a division (a correctly rounded division
-is a sequence of instructions on the GPU, and these kernels are memory-bound with little slack for
-bf16);
+takes several instructions on the GPU; these kernels are memory-bound with little slack for bf16);
 the product is correctly rounded everywhere, so kernel and twin agree. The clamp never acts
 (|x| <= absmax gives |x * inv| <= 127 (1 + 2**-24)**2 < 127.5), so the kernels leave it out; they
 are compiled without FMA contraction (``enable_fp_fusion=False``), so that x * inv is rounded
