@@ -1,4 +1,4 @@
-"""Benchmark of the qgZ gradient kernels (runtime/grad_quant.py) against device copy bandwidth.
+"""Benchmark of the qgZ gradient kernels (runtime/grad_quant*.py) against device copy bandwidth.
 
     python examples/bench_grad_kernels.py                    # GPU: 256 MB gradient, N=2 x R=4
     python examples/bench_grad_kernels.py --json out.json    # also write the results as JSON

@@ -22,7 +22,7 @@ Arithmetic (float32, identical in the Triton kernels and their torch twins, bit 
     in a non-finite block: -128 -> NaN, 127 -> +inf, -127 -> -inf, any other code -> 0.
 
 Why this formula: one multiply per element instead of a division (a correctly rounded division
-costs ~10 instructions on the GPU and these kernels are memory-bound with little slack for bf16);
+takes several instructions on the GPU; these kernels are memory-bound with little slack for bf16);
 the product is correctly rounded everywhere, so kernel and twin agree. The clamp never acts
 (|x| <= absmax gives |x * inv| <= 127 (1 + 2**-24)**2 < 127.5), so the kernels leave it out; they
 are compiled without FMA contraction (``enable_fp_fusion=False``), so that x * inv is rounded
@@ -43,24 +43,29 @@ above the kernels), so that the per-block work is amortized over many elements (
 counts per element in PERFORMANCE.md, "Kernel design: what was measured"). Non-finite blocks are
 a rare branch that rewrites its tile from a second read, so it costs the common path no
 registers.
+
+The guarded Triton import, the NaN-propagating max, the rounding constant and the launch helpers
+come from ``triton_common.py``, shared with qgZ (``grad_quant*.py``).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-try:  # Triton is optional: without it only the torch twins are registered.
-    import triton
-    import triton.language as tl
+from .triton_common import (
+    HAS_TRITON,
+    SUPPORTED_DTYPES,
+    aligned_u8,
+    interpreting,
+    launch_context,
+    require_triton,
+    tl,
+    triton,
+)
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    HAS_TRITON = False
+if HAS_TRITON:
+    from .triton_common import INF, MAGIC, nanmax
 
 __all__ = [
     "HAS_TRITON",
@@ -73,9 +78,7 @@ __all__ = [
     "dequantize_weight_triton",
 ]
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TINY_ABSMAX = 2.0**-119  # below this a block is a zero block (see module docstring)
-ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: t + MAGIC rounds t to an integer, half to even
 
 
 def packed_weight_bytes(n: int, block_size: int) -> int:
@@ -184,24 +187,15 @@ def dequantize_weight_reference(
 
 if HAS_TRITON:
     _TINY = tl.constexpr(TINY_ABSMAX)  # Triton kernels read module globals only as constexpr
-    _MAGIC = tl.constexpr(ROUND_MAGIC)
-    _INF = tl.constexpr(float("inf"))
-    # TRITON_INTERPRET is read at import, as Triton itself does
-    _INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-    @triton.jit
-    def _nanmax(a, b):
-        """max that propagates NaN (one FMNMX.NAN on sm_80+; the interpreter's max does too)."""
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
     def _special_code(x):
         """Codes of a non-finite block: NaN -> -128, +inf -> 127, -inf -> -127, finite -> 0."""
-        return tl.where(x != x, -128, tl.where(x == _INF, 127, tl.where(x == -_INF, -127, 0)))
+        return tl.where(x != x, -128, tl.where(x == INF, 127, tl.where(x == -INF, -127, 0)))
 
     @triton.jit
     def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n, nb, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                         C: tl.constexpr, EVEN: tl.constexpr):
+                         C: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):
         REP: tl.constexpr = BLOCK // C
         pid = tl.program_id(0)
         # int32 offsets inside the tile, one int64 base per program
@@ -217,14 +211,14 @@ if HAS_TRITON:
             x = tl.load(x_ptr + start + offs, mask=offs < lim, other=0.0).to(tl.float32)
 
         # absmax, NaN propagated (FMNMX.NAN with |.| operands: one instruction per element)
-        if _INTERP:  # the interpreter runs tl.reduce per element in Python; its tl.max skips NaN
+        if INTERP:  # the interpreter runs tl.reduce per element in Python; its tl.max skips NaN
             a = tl.abs(x)
-            amax = tl.max(tl.max(tl.where(a != a, _INF, a), 2), 1)
+            amax = tl.max(tl.max(tl.where(a != a, INF, a), 2), 1)
         else:
-            amax = tl.reduce(tl.reduce(tl.abs(x), 2, _nanmax), 1, _nanmax)
+            amax = tl.reduce(tl.reduce(tl.abs(x), 2, nanmax), 1, nanmax)
         amax = tl.where(amax < _TINY, 0.0, amax)  # NaN compares false: stays NaN
-        bad = ~(amax < _INF)                       # inf or NaN: a non-finite block
-        scale = tl.where(bad, _INF, tl.math.div_rn(amax, 127.0))  # IEEE division ('/' is approximate)
+        bad = ~(amax < INF)                        # inf or NaN: a non-finite block
+        scale = tl.where(bad, INF, tl.math.div_rn(amax, 127.0))  # IEEE division ('/' is approximate)
         normal = (amax > 0.0) & ~bad
         inv = tl.where(normal, tl.math.div_rn(127.0, tl.where(normal, amax, 1.0)), 0.0)
 
@@ -233,7 +227,7 @@ if HAS_TRITON:
         # t to an integer and the low byte of the float's bits is that integer as int8. No clamp:
         # |x| <= absmax gives |x * inv| <= 127 (1 + 2**-24)**2 < 127.5. The kernel is compiled
         # without FMA contraction, so x * inv is rounded before the add, as in the twin.
-        code = (x * inv[:, None, None] + _MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
+        code = (x * inv[:, None, None] + MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
         if EVEN:
             tl.store(codes_ptr + start + offs, code)
             tl.store(scales_ptr + rows, scale)
@@ -249,8 +243,8 @@ if HAS_TRITON:
             else:  # the same mask, from a bound the compiler does not merge with the first one
                 lim16 = tl.minimum(n - start, ROWS * BLOCK + 16).to(tl.int32)
                 x = tl.load(x_ptr + start + offs, mask=offs < lim16, other=0.0).to(tl.float32)
-            code = (x * inv[:, None, None] + _MAGIC).to(tl.int32, bitcast=True)
-            code = tl.where(tl.abs(x) < _INF, code, _special_code(x)).to(tl.int8)
+            code = (x * inv[:, None, None] + MAGIC).to(tl.int32, bitcast=True)
+            code = tl.where(tl.abs(x) < INF, code, _special_code(x)).to(tl.int8)
             if EVEN:
                 tl.store(codes_ptr + start + offs, code)
             else:
@@ -258,21 +252,33 @@ if HAS_TRITON:
 
     @triton.jit
     def _dequantize_kernel(
-        codes_ptr,  # the packed bytes as int8
-        words_ptr,  # the same bytes as float32 (scales live there)
+        codes_ptr,
+        words_ptr,
         out_ptr,
         n,
         nb,
-        chunk_bytes,  # packed_weight_bytes(n, B)
-        chunk_words,  # chunk_bytes // 4
-        scale_word0,  # nb * B // 4: first scale of a chunk, in words
+        chunk_bytes,
+        chunk_words,
+        scale_word0,
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
-        G: tl.constexpr,  # threads along a block chunk of G * V elements
-        V: tl.constexpr,  # elements per thread vector: 16 bytes of output
+        G: tl.constexpr,
+        V: tl.constexpr,
         EVEN: tl.constexpr,
         SOFT_BF16: tl.constexpr,
     ):
+        """Grid (tiles, R): program (i, c) dequantizes blocks [i * ROWS, (i + 1) * ROWS) of chunk c.
+
+            codes_ptr, words_ptr      the R packed chunks as int8 codes / as float32 words (scales)
+            out_ptr, n, nb            the output (R * n values); elements and blocks per chunk
+            chunk_bytes, chunk_words  packed_weight_bytes(n, B), in bytes / in 4-byte words
+            scale_word0               nb * B // 4: a chunk's first scale, in words
+            BLOCK, ROWS               elements per block; blocks per program
+            G, V                      threads along a run of G * V elements of a block; elements
+                                      per thread vector (16 bytes of output)
+            EVEN, SOFT_BF16           n is a multiple of the tile (no masks); bf16 output rounded
+                                      on the bits (the interpreter's cast truncates)
+        """
         # Tile [G, ROWS, REP, V]: element (g, r, j, v) is element j*G*V + g*V + v of block r. The
         # codes are read with the output's vector width (4 or 8 bytes), so loads and 16-byte
         # stores share one register layout: no shuffle through shared memory.
@@ -296,12 +302,12 @@ if HAS_TRITON:
         s4 = scale[None, :, None, None]
         _store_values(optr, offs, code * s4, n - start, ROWS * BLOCK, EVEN, SOFT_BF16)
 
-        if tl.max(scale, axis=0) == _INF:  # RARE: a non-finite block in this tile
+        if tl.max(scale, axis=0) == INF:  # RARE: a non-finite block in this tile
             # Rewrite those blocks (the codes are read again: no register cost to the common path).
-            inf_rows = (s4 == _INF) & (offs >= 0)
+            inf_rows = (s4 == INF) & (offs >= 0)
             code = tl.load(cptr + offs, mask=inf_rows, other=0).to(tl.float32)
             special = tl.where(
-                code == -128.0, float("nan"), tl.where(code == 127.0, _INF, tl.where(code == -127.0, -_INF, 0.0))
+                code == -128.0, float("nan"), tl.where(code == 127.0, INF, tl.where(code == -127.0, -INF, 0.0))
             )
             _store_values(optr, offs, special, n - start, ROWS * BLOCK, False, SOFT_BF16, inf_rows)
 
@@ -327,8 +333,8 @@ if HAS_TRITON:
             tl.store(optr + offs, res, mask=mask)
 
 
-# Default register tile per thread (elements), see _tile. Dequantize holds less, which its fp32
-# output measured faster with (PERFORMANCE.md, "Kernel design: what was measured").
+# Default register tile per thread (elements), see _tile. Dequantize holds less: its fp32 output
+# ran faster so (PERFORMANCE.md, "Kernel design: what was measured").
 ELEMS_PER_THREAD = {"quantize": 64, "dequantize": 32}
 
 
@@ -346,11 +352,13 @@ def _tile(kernel: str, block_size: int, nb: int, elems_per_program: int | None,
     return rows, warps, ept
 
 
-def _check_triton_block(block_size: int) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed")
-    if block_size & (block_size - 1):
-        raise ValueError(f"the Triton kernels need a power-of-2 block_size, got {block_size}")
+def _require_triton(block_size: int) -> None:
+    require_triton("qwZ", block_size, triton_handles_block(block_size), "a power of 2")
+
+
+def triton_handles_block(block_size: int) -> bool:
+    """The kernels tile by powers of 2; the ops send other block sizes to the twins."""
+    return block_size & (block_size - 1) == 0
 
 
 def quantize_weight_triton(
@@ -362,7 +370,7 @@ def quantize_weight_triton(
 ) -> torch.Tensor:
     """Triton quantize (CUDA, or CPU tensors under TRITON_INTERPRET=1); same bytes as the twin."""
     _check_quantize_args(x, block_size)
-    _check_triton_block(block_size)
+    _require_triton(block_size)
     x = x.contiguous()
     n, B = x.numel(), block_size
     nb = (n + B - 1) // B
@@ -372,10 +380,11 @@ def quantize_weight_triton(
     rows, warps, ept = _tile("quantize", B, nb, elems_per_program, num_warps)
     # C: 16 codes (one 16-byte vector) per thread, B // ept threads per block
     C = min(B, 16 * max(1, B // max(ept, 16)))
-    _quantize_kernel[(triton.cdiv(nb, rows),)](
-        x, codes, scales, n, nb, BLOCK=B, ROWS=rows, C=C, EVEN=(n % (rows * B) == 0),
-        num_warps=warps, enable_fp_fusion=False,
-    )
+    with launch_context(x):
+        _quantize_kernel[(triton.cdiv(nb, rows),)](
+            x, codes, scales, n, nb, BLOCK=B, ROWS=rows, C=C, EVEN=(n % (rows * B) == 0),
+            INTERP=interpreting(), num_warps=warps, enable_fp_fusion=False,
+        )
     return packed
 
 
@@ -390,36 +399,35 @@ def dequantize_weight_triton(
 ) -> torch.Tensor:
     """Triton dequantize of R concatenated packed chunks; same values as the twin."""
     R = _check_dequantize_args(packed, n, block_size, dtype)
-    _check_triton_block(block_size)
+    _require_triton(block_size)
     B = block_size
     nb = (n + B - 1) // B
     out = torch.empty(R * n, dtype=dtype, device=packed.device)
     if R == 0:
         return out
-    # The scales are read as float32 words, so the bytes must start 4-byte aligned.
-    if not packed.is_contiguous() or packed.data_ptr() % 4 != 0:
-        packed = packed.clone()
+    packed = aligned_u8(packed)  # the scales are read as float32 words
     chunk = packed_weight_bytes(n, B)
     rows, warps, _ = _tile("dequantize", B, nb, elems_per_program, num_warps)
     V = 16 // out.element_size()
     G = min(16, B // V)
-    _dequantize_kernel[(triton.cdiv(nb, rows), R)](
-        packed.view(torch.int8),
-        packed.view(torch.float32),
-        out,
-        n,
-        nb,
-        chunk,
-        chunk // 4,
-        nb * B // 4,
-        BLOCK=B,
-        ROWS=rows,
-        G=G,
-        V=V,
-        EVEN=(n % (rows * B) == 0),
-        SOFT_BF16=(dtype == torch.bfloat16 and not packed.is_cuda),
-        num_warps=warps,
-    )
+    with launch_context(packed):
+        _dequantize_kernel[(triton.cdiv(nb, rows), R)](
+            packed.view(torch.int8),
+            packed.view(torch.float32),
+            out,
+            n,
+            nb,
+            chunk,
+            chunk // 4,
+            nb * B // 4,
+            BLOCK=B,
+            ROWS=rows,
+            G=G,
+            V=V,
+            EVEN=(n % (rows * B) == 0),
+            SOFT_BF16=(dtype == torch.bfloat16 and not packed.is_cuda),
+            num_warps=warps,
+        )
     return out
 
 
@@ -454,12 +462,10 @@ if HAS_TRITON:
 
     @quantize_weight.register_kernel("cuda")
     def _(x, block_size):
-        if block_size & (block_size - 1):  # the kernels tile by powers of 2
-            return quantize_weight_reference(x, block_size)
-        return quantize_weight_triton(x, block_size)
+        launch = quantize_weight_triton if triton_handles_block(block_size) else quantize_weight_reference
+        return launch(x, block_size)
 
     @dequantize_weight.register_kernel("cuda")
     def _(packed, n, block_size, dtype):
-        if block_size & (block_size - 1):
-            return dequantize_weight_reference(packed, n, block_size, dtype)
-        return dequantize_weight_triton(packed, n, block_size, dtype)
+        launch = dequantize_weight_triton if triton_handles_block(block_size) else dequantize_weight_reference
+        return launch(packed, n, block_size, dtype)

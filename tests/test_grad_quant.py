@@ -1,4 +1,4 @@
-"""qgZ gradient kernels (runtime/grad_quant.py): packed format, Triton == torch twin bit for bit,
+"""qgZ gradient kernels (runtime/grad_quant*.py): packed format, Triton == torch twin bit for bit,
 and a single-process simulation of the whole two-hop pipeline against float64 references.
 
 The all-to-alls are emulated by slicing: one list entry per emulated rank ``r = m * R + l``.
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from zpp_compile.runtime import grad_quant as gq
+from zpp_compile.runtime import grad_quant_format as gq_format
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 C_BOUND = 0.5 + 2.0 ** -12
@@ -161,7 +162,7 @@ def test_fma_emulation_is_correctly_rounded():
                                                                    generator=gen).float())
     code[:500], scale[:500] = 3.0, 1 + 2.0 ** -23       # 3 + 3 * 2**-23: a midpoint
     acc[:500] = torch.randn(500, generator=gen) * 1e-30  # tiny addend decides the rounding
-    got = gq._fma_f32(acc, code * scale.double())
+    got = gq_format._fma_f32(acc, code * scale.double())
 
     def round_f32(fr):
         lo = torch.tensor(float(fr), dtype=torch.float32)

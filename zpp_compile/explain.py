@@ -24,7 +24,7 @@ import torch
 
 from .config import Config, ConfigError
 from .pass_manager import enabled_passes
-from .runtime.grad_quant import piece_bytes
+from .runtime.grad_quant_format import piece_bytes
 from .ledger import PHASES
 from .runtime.weight_quant import packed_weight_bytes
 
