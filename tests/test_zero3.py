@@ -126,7 +126,8 @@ def saved_tensor_shapes(rank: int, world_size: int, options: dict) -> list[tuple
 
     def is_weight(t: torch.Tensor) -> bool:  # a weight, then nothing or the zeros that pad it
         flat = t.detach().reshape(-1)
-        if t.untyped_storage().data_ptr() in shards:
+        # Gathers run on the parameters' device; what autograd saves elsewhere (a CPU scalar) is none.
+        if t.untyped_storage().data_ptr() in shards or t.device != weights[0].device:
             return False
         return any(flat.numel() >= w.numel() and torch.equal(flat[:w.numel()], w) and not flat[w.numel():].any()
                    for w in weights)
