@@ -38,8 +38,7 @@ def all_to_all_between_nodes(x: torch.Tensor, group_size: int, group_name: str, 
     """
     if group_size != 2:
         return all_to_all(x, group_size, group_name)
-    rank = rank_in_group
     chunks = x.contiguous().chunk(2)
-    gathered = all_gather(chunks[1 - rank], 2, group_name).chunk(2)  # [0's chunk for 1, 1's chunk for 0]
-    own, from_peer = chunks[rank], gathered[1 - rank]
-    return torch.cat([own, from_peer] if rank == 0 else [from_peer, own])
+    gathered = all_gather(chunks[1 - rank_in_group], 2, group_name).chunk(2)  # [0's chunk for 1, 1's for 0]
+    own, from_peer = chunks[rank_in_group], gathered[1 - rank_in_group]
+    return torch.cat([own, from_peer] if rank_in_group == 0 else [from_peer, own])

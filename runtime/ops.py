@@ -30,15 +30,6 @@ def gather_param(
     return all_gather(padded, group_size, group_name)
 
 
-def gather_param_quantized(
-    shard: torch.Tensor, shard_size: int, group_size: int, group_name: str, dtype: torch.dtype, block_size: int
-) -> torch.Tensor:
-    """`gather_param` through INT8: each rank quantizes its (full-precision) shard in blocks,
-    the packed codes and scales travel in one all-gather, and every chunk is dequantized."""
-    gathered = quantize_and_gather(shard, shard_size, group_size, group_name, block_size)
-    return torch.ops.zpp.dequantize_weight(gathered, shard_size, block_size, dtype)
-
-
 def reduce_grad_mean(
     grad: torch.Tensor, shard_numel: int, group_size: int, group_name: str, dtype: torch.dtype
 ) -> torch.Tensor:
