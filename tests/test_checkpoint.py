@@ -25,7 +25,7 @@ import zpp_compile as zpp
 from zpp_compile.checkpoint import _PRIME, CHECKSUM_FILE, _checksum
 from distributed import device, optimizer_steps, run_ranks
 from models import TinyTransformer, batches
-from test_zero3 import needs_4_ranks
+from training import needs_4_ranks
 
 GLOBAL_BATCH, STEPS = 8, 4  # steps 0-1 at world 4, steps 2-3 at world 2
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import zpp_compile as zpp
 from distributed import device, in_turn, optimizer_steps, run_ranks
 from models import CheckpointedTransformer, TinyTransformer, batches
-from test_zero3 import PER_RANK, train_sharded
+from training import PER_RANK, train_sharded
 
 MICRO = 4
 

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 import zpp_compile as zpp
 from distributed import BACKEND, device, run_ranks
 from models import TinyTransformer, batches
-from test_zero3 import PER_RANK
+from training import PER_RANK
 
 on_gpus = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA graphs need GPUs (ZPP_TEST_BACKEND=nccl)")
 

@@ -11,8 +11,7 @@ import torch
 import zpp_compile as zpp
 from distributed import device, in_turn, run_ranks
 from models import TinyTransformer, batches
-from test_qwz import qwz_runs
-from test_zero3 import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train_sharded
+from training import PER_RANK, STEPS, needs_4_ranks, qwz_runs, saved_tensor_shapes, train_sharded
 
 TWO_NODES = {"ranks_per_node": 2, "hpz_partition_size": 2}
 FULL_LOCAL_COPY = {"hpz_partition_size": 1}

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 import zpp_compile as zpp
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
-from test_qwz import relative_error
-from test_zero3 import PER_RANK, STEPS, needs_4_ranks, train
+from training import PER_RANK, STEPS, needs_4_ranks, relative_error, train
 from zpp_compile.runtime.collectives import all_to_all, all_to_all_between_nodes
 from zpp_compile.runtime.ops import reduce_grad_quantized
 from zpp_compile.runtime.topology import build_topology

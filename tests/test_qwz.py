@@ -2,79 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 import zpp_compile as zpp
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
-from test_zero3 import PER_RANK, STEPS, needs_4_ranks, train
-
-BLOCK = 64  # small blocks, so that the tiny model's weights are quantized at world 2 and 4
-
-
-def quantized_like_qwz(weight: torch.Tensor, world_size: int, block: int) -> torch.Tensor:
-    """The weight every rank sees after a qwZ gather, computed independently in float64:
-    rank r's torch.chunk rows, padded to the shard size, rounded to block-wise INT8."""
-    rows = weight.shape[0] if weight.dim() else 1
-    shard = math.ceil(rows / world_size) * (weight[0].numel() if weight.dim() else 1)
-    if shard < block:  # too small to shrink: gathered in full precision
-        return weight
-    blocks = math.ceil(shard / block)
-    flat = F.pad(weight.double().reshape(-1), (0, world_size * shard - weight.numel())).view(world_size, shard)
-    chunks = F.pad(flat, (0, blocks * block - shard)).view(world_size, blocks, block)
-    scale = chunks.abs().amax(-1, keepdim=True) / 127
-    codes = torch.where(scale > 0, torch.round(chunks / scale.clamp_min(1e-300)), 0.0)
-    out = (codes * scale).view(world_size, -1)[:, :shard].reshape(-1)[: weight.numel()]
-    return out.view(weight.shape).to(weight.dtype)
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def qwz_runs(
-    rank: int, world_size: int, ranks_per_node: int, options: dict | None = None, modes: tuple = ("aot", "inductor")
-) -> dict:
-    config = zpp.Config(quantized_weights=True, weight_block_size=BLOCK, ranks_per_node=ranks_per_node,
-                        **(options or {}))
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    data = batches(STEPS, world_size, PER_RANK)
-
-    # 1. The first forward equals the unsharded model run on independently quantized weights.
-    torch.manual_seed(0)
-    reference = TinyTransformer().to(device())
-    quantized = TinyTransformer().to(device())
-    quantized.load_state_dict({k: quantized_like_qwz(v, world_size, BLOCK) for k, v in reference.state_dict().items()})
-    tokens, targets = data[0]
-    expected_loss = quantized(tokens.to(device()), targets.to(device())).item()
-
-    finals = {}
-    for mode in modes:
-        torch.manual_seed(0)
-        model = zpp.shard(TinyTransformer().to(device()), config)
-        compiled = torch.compile(model, backend="zeropp", options={"inductor": mode == "inductor"})
-        history = train(model, data, compiled, mine)
-        first = torch.tensor([history[0][0]], device=device())
-        torch.distributed.all_reduce(first)
-        torch.testing.assert_close(first.item() / world_size, expected_loss, rtol=1e-5, atol=0)
-        finals[mode] = zpp.full_state_dict(model)
-
-    # 2. Inductor and the op-by-op debug mode run the same rewritten graphs.
-    if len(finals) == 2:
-        for key, value in finals["aot"].items():
-            assert relative_error(finals["inductor"][key], value) < 1e-5, key
-
-    # 3. How far quantization moves training: the relative error of each parameter's update.
-    initial = {k: v.clone() for k, v in reference.state_dict().items()}
-    train(reference, data)
-    return {
-        key: relative_error(finals[modes[-1]][key] - initial[key], value - initial[key])
-        for key, value in reference.state_dict().items()
-        if key != "pos"  # frozen: no update
-    }
+from training import needs_4_ranks, qwz_runs
 
 
 def test_qwz_world2():

@@ -25,7 +25,7 @@ from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.sharding import _layers
 from distributed import device, in_turn, run_ranks
 from models import Block, TinyTransformer, batches
-from test_zero3 import PER_RANK, STEPS, train, train_sharded
+from training import PER_RANK, STEPS, train, train_sharded
 
 ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 1,
              "quantized_gradients": True, "gradient_block_size": 32, "ranks_per_node": 1}

@@ -7,66 +7,9 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
-from distributed import BACKEND, device, for_each_config, run_ranks
+from distributed import device, for_each_config, run_ranks
 from models import GraphBreakTransformer, TinyTransformer, batches
-
-STEPS, PER_RANK = 3, 2
-
-
-def train(model: nn.Module, data, step_fn=None, slice_=slice(None)) -> list[tuple[float, float]]:
-    """SGD with momentum for len(data) steps; returns (loss, global gradient norm) per step.
-
-    SGD, unlike Adam, is sensitive to the gradient's scale, so a sum-instead-of-mean bug shows in
-    the parameters; the norm returned by clip_grad_norm_ shows a wrong or rank-local norm.
-    """
-    step_fn = model if step_fn is None else step_fn
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
-    history = []
-    for tokens, targets in data:
-        loss = step_fn(tokens[slice_].to(device()), targets[slice_].to(device()))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-        opt.step()
-        opt.zero_grad()
-        history.append((loss.item(), float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)))
-    return history
-
-
-def reference(world_size: int) -> tuple[nn.Module, list[tuple[float, float]]]:
-    torch.manual_seed(0)
-    model = TinyTransformer().to(device())
-    return model, train(model, batches(STEPS, world_size, PER_RANK))
-
-
-def train_sharded(rank: int, world_size: int, mode: str, options: dict, model_class: type = TinyTransformer) -> dict:
-    torch.manual_seed(0)
-    model = model_class().to(device())
-    frozen_before = model.pos.detach().clone()
-    zpp.shard(model, zpp.Config(**options))
-    step_fn = None
-    if mode == "inductor":
-        step_fn = torch.compile(model, backend="zeropp")
-    elif mode == "aot":
-        step_fn = torch.compile(model, backend="zeropp", options={"inductor": False})
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    history = train(model, batches(STEPS, world_size, PER_RANK), step_fn, mine)
-
-    full = zpp.full_state_dict(model)
-    ref_model, ref_history = reference(world_size)
-    # Each rank's loss is over its own samples; their mean is the reference's global-batch loss.
-    losses = torch.tensor([loss for loss, _ in history], device=device())
-    torch.distributed.all_reduce(losses)
-    expected = torch.tensor([loss for loss, _ in ref_history])
-    torch.testing.assert_close(losses.cpu() / world_size, expected, rtol=1e-5, atol=0)
-    torch.testing.assert_close([n for _, n in history], [n for _, n in ref_history], rtol=1e-5, atol=0)
-    expected = ref_model.state_dict()
-    assert full.keys() == expected.keys()
-    for key, value in expected.items():
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
-    assert model.head._parameters["weight"] is model.embed._parameters["weight"], "tied weights came apart"
-    torch.testing.assert_close(full["pos"], frozen_before, rtol=0, atol=0)
-    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
-    return {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+from training import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot", "inductor"])
@@ -74,11 +17,6 @@ def test_world2_matches_unsharded_reference(mode):
     shapes = run_ranks(train_sharded, 2, mode, {})
     # Every rank holds only its chunk: 37 embedding rows split 19 + 18.
     assert shapes[0]["embed.weight"] == (19, 24) and shapes[1]["embed.weight"] == (18, 24)
-
-
-needs_4_ranks = pytest.mark.skipif(
-    BACKEND == "nccl" and torch.cuda.device_count() < 4, reason="NCCL needs a GPU per rank"
-)
 
 
 @needs_4_ranks
@@ -98,41 +36,6 @@ def graph_break_run(rank: int, world_size: int) -> int:
 
 def test_graph_breaks_several_graphs_per_step():
     assert all(graphs >= 3 for graphs in run_ranks(graph_break_run, 2))
-
-
-def saved_tensor_shapes(rank: int, world_size: int, options: dict) -> list[tuple]:
-    """Shapes of the gathered weights the compiled forward saves for backward: the saved tensors
-    that hold a whole parameter's values, as used or as gathered (flat, padded). By value, not by
-    shape: a bucket's concatenated shards may have a gathered weight's shape."""
-    torch.manual_seed(0)
-    model = zpp.shard(TinyTransformer().to(device()), zpp.Config(**options))
-    compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
-    tokens, targets = batches(1, world_size)[0]
-    # By value: a weight of zeros (a fresh LayerNorm's bias) cannot be told from other zeros.
-    weights = [w.reshape(-1) for w in zpp.full_state_dict(model).values() if w.any()]
-    saved = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = compiled(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device()))
-    loss.backward()
-
-    # A rank's own shard may hold a whole small parameter (a 0-d one on rank 0); saving the shard
-    # itself costs nothing: only copies count.
-    shards = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
-
-    def is_weight(t: torch.Tensor) -> bool:  # a weight, then nothing or the zeros that pad it
-        flat = t.detach().reshape(-1)
-        # Gathers run on the parameters' device; what autograd saves elsewhere (a CPU scalar) is none.
-        if t.untyped_storage().data_ptr() in shards or t.device != weights[0].device:
-            return False
-        return any(flat.numel() >= w.numel() and torch.equal(flat[:w.numel()], w) and not flat[w.numel():].any()
-                   for w in weights)
-
-    return [tuple(t.shape) for t in saved if is_weight(t)]
 
 
 def test_no_gathered_weight_is_saved_for_backward():
