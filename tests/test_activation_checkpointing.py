@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import transformers
 
 import zpp_compile as zpp
 from distributed import device, run_ranks
@@ -27,7 +28,6 @@ GPT_CONFIG = GPTConfig(seq=SEQ, dim=32, heads=2, layers=2)
 
 
 def llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=61, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, attn_implementation="sdpa",

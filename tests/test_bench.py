@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -135,7 +136,6 @@ def llama_json(tmp_path_factory) -> dict:
 
 
 def test_llama_runs_with_activation_checkpointing(llama_json):
-    transformers = pytest.importorskip("transformers")
     shape = LLAMA_SHAPES["llama-tiny"]
     setup = llama_json["setup"]
     assert setup["model"]["name"] == "llama-tiny" and setup["activation_checkpointing"] == "selective"
@@ -158,7 +158,6 @@ def test_llama_runs_with_activation_checkpointing(llama_json):
 def test_benchmark_llama_attention_matches_transformers_sdpa():
     # bench.llama's attention (SDPA with is_causal, no mask tensor) computes what transformers' own
     # "sdpa" computes for whole, unpadded sequences, forward and backward.
-    transformers = pytest.importorskip("transformers")
     shape = LLAMA_SHAPES["llama-tiny"]
     torch.manual_seed(0)
     ours = llama(shape, shape.layers, SEQ)

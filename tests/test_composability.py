@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import transformers
 
 import zpp_compile as zpp
 from distributed import device, in_turn, optimizer_steps, run_ranks
@@ -181,7 +182,6 @@ def test_bfloat16_conversion_after_shard_matches_reference(results):
 
 
 def causal_lm_run(rank: int, world_size: int) -> list[float]:
-    transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=61, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,

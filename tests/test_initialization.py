@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 import zpp_compile as zpp
@@ -191,7 +192,6 @@ def meta_init_run(rank: int, world_size: int) -> dict[str, int]:
 
 
 def llama_run(rank: int, world_size: int) -> None:
-    transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=61, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,

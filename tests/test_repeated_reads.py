@@ -4,10 +4,10 @@ reads, eagerly and compiled; and a compiled step gathers and reduces each parame
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 
 import zpp_compile as zpp
 from zpp_compile.ledger import PHASES
@@ -116,7 +116,6 @@ class SharedBlock(TinyTransformer):
 def shared_layers_run(rank: int, world_size: int) -> None:
     """One window of 3 micro-batches (sync on the last): HuggingFace's ALBERT eagerly, and one
     block shared by every depth compiled, each against its unsharded model."""
-    transformers = pytest.importorskip("transformers")
     config = transformers.AlbertConfig(
         vocab_size=41, embedding_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
