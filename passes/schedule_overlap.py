@@ -7,15 +7,12 @@ import networkx
 import torch
 import torch.fx as fx
 
+from ..runtime.collectives import ALL_GATHERS
 from .base import PassContext
 from .fx_util import ancestors, backward_nodes, descendants
 
 _c10d = torch.ops._c10d_functional
-COLLECTIVES = (
-    _c10d.all_gather_into_tensor.default,
-    _c10d.reduce_scatter_tensor.default,
-    _c10d.all_to_all_single.default,
-)
+COLLECTIVES = (*ALL_GATHERS, _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
 WAIT = _c10d.wait_tensor.default
 
 
@@ -40,7 +37,7 @@ def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:
     # Weight gathers read graph inputs (shards, hpZ copies); collectives computed from an incoming
     # gradient reduce it, all-gathers among them (a two-node gradient exchange is one).
     from_gradients = backward_nodes(graph)
-    gathers = [c for c in collectives if c.target is _c10d.all_gather_into_tensor.default and c not in from_gradients]
+    gathers = [c for c in collectives if c.target in ALL_GATHERS and c not in from_gradients]
     reductions = [c for c in collectives if c not in gathers]
     _prefetch_gathers(gathers, ctx.config.prefetch, rank)
     _defer_reductions(reductions, nodes, rank)

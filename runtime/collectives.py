@@ -12,9 +12,23 @@ import torch
 _c10d = torch.ops._c10d_functional
 
 
+# The functional all-gathers, as they appear in lowered graphs.
+ALL_GATHERS = (_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default)
+
+
 def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Every member's `x` concatenated along dim 0, in group rank order."""
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), group_size, group_name))
+    """Every member's `x` concatenated along dim 0, in group rank order.
+
+    CPU tensors (gloo) are gathered into an output allocated here: gloo's all-gather that
+    allocates its own output goes through its coalesced implementation, which corrupts the heap
+    when several are in flight at once (as overlap scheduling issues them); the `out=` form runs
+    gloo's plain all-gather.
+    """
+    x = x.contiguous()
+    if x.device.type == "cpu":
+        out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(x, group_size, group_name, out=out))
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, group_size, group_name))
 
 
 def reduce_scatter_sum(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ from zpp_compile.passes import PASSES, PassContext, fx_util, schedule_overlap
 from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
 from zpp_compile.ledger import PHASES, collectives_by_node, phase_of
+from zpp_compile.runtime.collectives import ALL_GATHERS
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.sharding import _layers
 from distributed import device, in_turn, run_ranks
@@ -297,7 +298,7 @@ def live_gathers(graph: fx.Graph) -> tuple[int, int, list[int]]:
     the whole life of another is held (a weight read in several places, gathered once), and
     counted apart: the schedule's bound is on the others."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    gathers = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    gathers = [n for n in graph.nodes if n.target in ALL_GATHERS]
     shards = {a for g in gathers for a in ancestors(g) if a.op == "placeholder"}
     from_shards: set[fx.Node] = set()
     for node in graph.nodes:
@@ -401,6 +402,7 @@ def generated_issue_order(rank: int, world_size: int, configs: list[dict]) -> li
     call = re.compile(
         r"(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default\(|_c10d_functional\.(wait_tensor)\.default\((\w+)\)"
         r"|extern_kernels\.(b?mm|addmm)\("
+        r"|_c10d_functional\.(all_gather_into_tensor)_out\.default\(.*out=(\w+)\)"  # gloo's gathers (collectives.py)
     )
     tokens, targets = batches(1, world_size, PER_RANK)[0]
     orders = []
@@ -412,7 +414,8 @@ def generated_issue_order(rank: int, world_size: int, configs: list[dict]) -> li
         _, codes = run_and_get_code(
             lambda: step_fn(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device())).backward()
         )
-        orders.append([[(m[2] or m[3] or "matmul", m[1] or m[4] or "") for m in call.finditer(c)] for c in codes])
+        orders.append([[(m[2] or m[3] or m[6] or "matmul", m[1] or m[4] or m[7] or "") for m in call.finditer(c)]
+                       for c in codes])
     return orders
 
 

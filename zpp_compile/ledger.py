@@ -16,11 +16,12 @@ import torch
 import torch.fx as fx
 
 from .passes.fx_util import backward_nodes
+from .runtime.collectives import ALL_GATHERS
 from .runtime.topology import Group, Topology
 
 _c10d = torch.ops._c10d_functional
 _OPS = {
-    _c10d.all_gather_into_tensor.default: "all_gather",
+    **{gather: "all_gather" for gather in ALL_GATHERS},
     _c10d.reduce_scatter_tensor.default: "reduce_scatter",
     _c10d.all_to_all_single.default: "all_to_all",
 }
