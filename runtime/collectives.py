@@ -22,7 +22,8 @@ def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tenso
     CPU tensors (gloo) are gathered into an output allocated here: gloo's all-gather that
     allocates its own output goes through its coalesced implementation, which corrupts the heap
     when several are in flight at once (as overlap scheduling issues them); the `out=` form runs
-    gloo's plain all-gather.
+    gloo's plain all-gather. Compiled CPU graphs run without Inductor's buffer reuse, which
+    would overwrite this form's input before its wait (`zeropp_backend`).
     """
     x = x.contiguous()
     if x.device.type == "cpu":
