@@ -236,6 +236,9 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
     out = cache / f"{name}.json"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A restarted job's AOTAutograd cache hits only with a fixed hash seed on torch versions that key
+    # DTensor inputs on their mesh's Python hash (zeropp warns there); the same for every variant.
+    env.setdefault("PYTHONHASHSEED", "0")
     if not torch.cuda.is_available():
         env.setdefault("TRITON_INTERPRET", "1")  # zeropp's quantization kernels run in Triton's interpreter
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # so that "cpu s" sees every compiler process

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -209,3 +210,32 @@ def test_dynamo_to_local_closures_become_method_calls_that_the_autograd_cache_ta
     # The closure with arguments stays: the method call alone would drop them.
     assert calls == [("call_method", "to_local"), ("call_function", "prim_to_local")]
     torch.testing.assert_close(gm(_Local(value)), expected, rtol=0, atol=0)
+
+
+def _restart_warnings(rank: int, world_size: int) -> dict[str, list[str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from zpp_compile import compile_cache
+
+    sharded = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (world_size,)), [Shard(0)])
+    cases = {"seed unset": ({}, [sharded]), "seed fixed": ({"PYTHONHASHSEED": "0"}, [sharded]),
+             "no DTensor": ({}, [torch.ones(4)])}
+    seen = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compile_cache, "_dtensor_cache_keys_stable", lambda: False)  # as on torch 2.11
+        for case, (env, inputs) in cases.items():
+            patch.delenv("PYTHONHASHSEED", raising=False)
+            for name, value in env.items():
+                patch.setenv(name, value)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                compile_cache.warn_if_restarts_retrace(inputs)
+            seen[case] = [str(w.message) for w in caught]
+    return seen
+
+
+def test_a_torch_whose_cache_keys_differ_per_process_warns_to_fix_the_hash_seed():
+    seen = run_ranks(_restart_warnings, 1)[0]
+    assert len(seen["seed unset"]) == 1 and "PYTHONHASHSEED=0" in seen["seed unset"][0]
+    assert seen["seed fixed"] == [] and seen["no DTensor"] == []

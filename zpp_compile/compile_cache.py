@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -30,6 +31,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.fx as fx
 from torch._inductor.runtime.runtime_utils import cache_dir
+from torch.distributed.tensor import DTensor
 
 from .ledger import GraphComm
 
@@ -134,6 +136,7 @@ class PassCache:
         directory is set) or Inductor's caches are off."""
         if manager.config.dump_dir is not None or not _inductor_caches_on(inductor_options):
             return None
+        warn_if_restarts_retrace(example_inputs)
         key = passes_key(manager)
         record_name = hashlib.sha256((key + _graph_key(gm, example_inputs)).encode()).hexdigest()
         path = Path(cache_dir()) / "zeropp" / f"{record_name}.json"
@@ -158,6 +161,26 @@ class PassCache:
                 comm = GraphComm.from_dict({**entry, "graph": f"{manager.graph_id}.{entry['kind']}",
                                             "frame": manager.frame})
                 manager.record(comm, restored=True)
+
+
+def warn_if_restarts_retrace(example_inputs: Sequence[Any]) -> None:
+    """Warns where a restarted job would trace and partition the whole step again: torch versions
+    whose AOTAutograd cache key of a DTensor input holds its device mesh's Python hash (randomized
+    per process unless PYTHONHASHSEED is fixed) miss that cache in every new process."""
+    if _dtensor_cache_keys_stable() or os.environ.get("PYTHONHASHSEED", "random") != "random":
+        return
+    if any(isinstance(x, DTensor) for x in example_inputs):
+        warnings.warn(
+            f"torch {torch.__version__} keys AOTAutograd's cache on a per-process hash of the sharded parameters' "
+            "device mesh, so a restarted job traces and partitions the whole step again (Inductor's FX graph "
+            "cache still serves the compiled code); launch with a fixed PYTHONHASHSEED (e.g. "
+            "`PYTHONHASHSEED=0 torchrun ...`) or use a torch with stable DTensor cache keys (2.13 has them)",
+            stacklevel=2,
+        )
+
+
+def _dtensor_cache_keys_stable() -> bool:
+    return hasattr(DTensor, "_stable_hash_for_caching")
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
