@@ -18,7 +18,7 @@ def lower_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     zpp.all_gather_param -> cast, pad, all_gather_into_tensor; zpp.all_gather_flat ->
     all_gather_into_tensor; zpp.reduce_grad -> cast, reduce_scatter_tensor (sum), divide by
     the group size, narrow to the local shard; zpp.with_secondary_copy -> its weight input.
-    On CPU the all-gathers are their `out=` form (`runtime/collectives.all_gather` says why).
+    On CPU the all-gathers are their `out=` form (`runtime/collectives.gathers_into_given_output`).
 
     The replacements are traced from the same functions the ops run eagerly, so the compiled
     graph issues exactly the collectives of the eager reference.

@@ -16,17 +16,19 @@ _c10d = torch.ops._c10d_functional
 ALL_GATHERS = (_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default)
 
 
-def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Every member's `x` concatenated along dim 0, in group rank order.
+def gathers_into_given_output(device: torch.device) -> bool:
+    """Whether gathers on `device` use the `out=` all-gather. On CPU (gloo) they do: gloo's
+    all-gather that allocates its own output goes through its coalesced implementation, which
+    corrupts the heap when several are in flight at once (as overlap scheduling issues them); the
+    `out=` form runs gloo's plain all-gather. Graphs holding it must be compiled without
+    Inductor's buffer reuse, which would overwrite its input before its wait (`zeropp_backend`)."""
+    return device.type == "cpu"
 
-    CPU tensors (gloo) are gathered into an output allocated here: gloo's all-gather that
-    allocates its own output goes through its coalesced implementation, which corrupts the heap
-    when several are in flight at once (as overlap scheduling issues them); the `out=` form runs
-    gloo's plain all-gather. Compiled CPU graphs run without Inductor's buffer reuse, which
-    would overwrite this form's input before its wait (`zeropp_backend`).
-    """
+
+def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Every member's `x` concatenated along dim 0, in group rank order."""
     x = x.contiguous()
-    if x.device.type == "cpu":
+    if gathers_into_given_output(x.device):
         out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(x, group_size, group_name, out=out))
     return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, group_size, group_name))

@@ -28,6 +28,7 @@ from .config import Config
 from .pass_manager import PassManager
 from .passes import PASSES, GraphPass
 from .runtime.agreement import check_same_gathers
+from .runtime.collectives import gathers_into_given_output
 from .runtime.cuda_graphs import graphed_inner_compile
 from .runtime.ops import gather_param_args
 from .runtime.registry import REGISTRY, ShardingState
@@ -66,10 +67,10 @@ def zeropp_backend(
         # Inductor's own memory-driven reordering would undo the prefetch order, whose memory
         # the schedule already bounds.
         patches["reorder_for_peak_memory"] = False
-    if _all_on_cpu(example_inputs):
-        # CPU gathers use the out= all-gather (runtime/collectives.py). Inductor ends the life of
-        # an out= collective's input at its issue, not at its wait, and would write another buffer
-        # into that memory while gloo still reads it; without reuse every buffer keeps its memory.
+    if gathers_into_given_output(state.topology.device):
+        # Inductor ends the life of an out= collective's input at its issue, not at its wait, and
+        # would write another buffer into that memory while the gather still reads it; without
+        # reuse every buffer keeps its memory.
         patches["allow_buffer_reuse"] = False
         patches["inplace_buffers"] = False
     patches.update(config.inductor_options)
@@ -88,10 +89,6 @@ def _dynamo_frame() -> int | None:
     """The id of the Python frame Dynamo is compiling (the same for each recompilation of it)."""
     compile_id = CompileContext.current_compile_id()
     return compile_id.frame_id if compile_id is not None else None
-
-
-def _all_on_cpu(example_inputs: Sequence[Any]) -> bool:
-    return all(x.device.type == "cpu" for x in example_inputs if isinstance(x, torch.Tensor))
 
 
 def _check_on_cuda(example_inputs: Sequence[Any]) -> None:
