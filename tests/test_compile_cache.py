@@ -37,8 +37,9 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8))
 
 
-def train(model: nn.Module, options: dict, rank: int) -> dict:
-    """Two SGD steps of the compiled model; the ledger entries its graphs added, its final
+def train(model: nn.Module, options: dict, rank: int, evaluate: bool = False) -> dict:
+    """Two SGD steps of the compiled model, then with `evaluate` a forward under no_grad (the same
+    frame compiled again, for inference); the ledger entries its graphs added, its final
     parameters and losses, and the cache counters it moved."""
     before = {**counters["aot_autograd"], **counters["inductor"]}
     start = len(zpp.REGISTRY.ledger)
@@ -52,6 +53,9 @@ def train(model: nn.Module, options: dict, rank: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if evaluate:
+        with torch.no_grad():
+            step_fn(torch.randn(4, 8, generator=g).to(device()))
     after = {**counters["aot_autograd"], **counters["inductor"]}
     moved = {k: after[k] - before.get(k, 0) for k in after if "cache" in k and after[k] != before.get(k, 0)}
     return {"graphs": zpp.REGISTRY.ledger[start:], "losses": losses, "counters": moved,
@@ -69,7 +73,7 @@ def launch(rank: int, world_size: int, second: bool, dump_dir: str) -> dict:
         # Another graph first (without Inductor: cheap), so that m1's graphs get other ids than in launch 2.
         with torch.no_grad():
             torch.compile(first_model, backend="zeropp", options={"inductor": False})(torch.randn(4, 8).to(device()))
-    runs["m1"] = train(second_model, {}, rank)
+    runs["m1"] = train(second_model, {}, rank, evaluate=True)
     if second:
         runs["m2"] = train(zpp.shard(mlp().to(device()), ALL_THREE), {"dump_dir": dump_dir}, rank)
     return runs
@@ -97,13 +101,17 @@ def test_a_new_process_hits_the_cache_with_the_same_ledger_and_results(launches)
     first, second, _ = launches
     for rank in (0, 1):
         cold, warm = first[rank]["m1"], second[rank]["m1"]
-        assert cold["counters"].get("autograd_cache_saved") == 1, cold["counters"]
-        assert warm["counters"] == {"autograd_cache_hit": 1, "fxgraph_cache_hit": 2}, warm["counters"]
-        # The ledger is restored under this process's graph ids, with the same collectives.
-        assert {g.graph_name for g in warm["graphs"]} == {"g1.forward", "g1.backward"}
-        assert {g.graph_name for g in cold["graphs"]} == {"g2.forward", "g2.backward"}
+        # Training and evaluation graphs each saved, then served.
+        assert cold["counters"].get("autograd_cache_saved") == 2, cold["counters"]
+        assert warm["counters"] == {"autograd_cache_hit": 2, "fxgraph_cache_hit": 3}, warm["counters"]
+        # The ledger is restored under this process's graph ids, with the same collectives; the
+        # evaluation graph is a forward alone, not a second training step.
+        assert [g.graph_name for g in warm["graphs"]] == ["g1.forward", "g1.backward", "g2.forward"]
+        assert [g.graph_name for g in cold["graphs"]] == ["g2.forward", "g2.backward", "g3.forward"]
         assert without_ids(warm["graphs"]) == without_ids(cold["graphs"])
-        assert without_ids(warm["graphs"])["inter_bytes"] > 0
+        report = without_ids(warm["graphs"])
+        assert report["inter_bytes"] > 0 and report["secondary_bytes"] > 0  # the training step's, with hpZ
+        assert {row["graph"] for row in report["collectives"]} == {"forward", "backward"}
         assert warm["losses"] == cold["losses"]
         assert warm["params"] == cold["params"]  # bit for bit: float32 values are exact in Python floats
 
@@ -124,9 +132,10 @@ def test_a_dump_bypasses_the_cache_and_reports_what_a_cache_hit_does(launches):
     for rank in (0, 1):
         dumped = second[rank]["m2"]
         assert not any(k.endswith(("_hit", "_saved")) for k in dumped["counters"]), dumped["counters"]
-        files = sorted((dump / f"rank{rank}").glob("g2.*.comm.json"), key=lambda f: "backward" in f.name)
+        # m2's graph id follows m0's (g0) and m1's training and evaluation graphs (g1, g2).
+        files = sorted((dump / f"rank{rank}").glob("g3.*.comm.json"), key=lambda f: "backward" in f.name)
         from_files = [GraphComm.from_dict(json.loads(f.read_text())) for f in files]
-        assert len(from_files) == 2 and any(dump.glob(f"rank{rank}/g2.*.schedule.txt"))
+        assert len(from_files) == 2 and any(dump.glob(f"rank{rank}/g3.*.schedule.txt"))
         assert without_ids(from_files) == without_ids(second[rank]["m1"]["graphs"])
 
 

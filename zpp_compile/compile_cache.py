@@ -102,8 +102,12 @@ def _argumentless_to_local(target: Any) -> bool:
 
 
 def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    """The Dynamo graph as the caches see it: its code and its inputs' types, shapes and dtypes."""
+    """The Dynamo graph as the caches see it: its code, its inputs' types, shapes and dtypes, and
+    whether it is compiled for training. A frame traced again under `torch.no_grad()` (evaluation)
+    gives the same code and inputs but compiles to a forward alone, whose record must not take the
+    place of the training graphs'."""
     digest = hashlib.sha256(gm.code.encode())
+    digest.update(repr(torch.is_grad_enabled()).encode())
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             strides = tuple(x.stride()) if x.layout == torch.strided else None
