@@ -50,11 +50,13 @@ _DEEPSPEED_KEYS = {
 # A wait longer than a year is no timeout; much longer ones overflow the backends' clock arithmetic.
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
-# Fields `shard()` acts on: they fix the shards' gathers and reductions (param_dtype, reduce_dtype)
-# or the process groups (hpz_partition_size, ranks_per_node, collective_timeout_s), so
+# Fields `shard()` acts on: they fix the shards' gathers and reductions (param_dtype, reduce_dtype),
+# the process groups (hpz_partition_size, ranks_per_node, collective_timeout_s) or the layers'
+# forward (compile_layers_once), so
 # torch.compile's options may repeat them but not change them. Every other field is read when a
 # graph is compiled and may be overridden per compilation.
-SHARD_FIELDS = ("hpz_partition_size", "ranks_per_node", "param_dtype", "reduce_dtype", "collective_timeout_s")
+SHARD_FIELDS = ("hpz_partition_size", "ranks_per_node", "param_dtype", "reduce_dtype", "collective_timeout_s",
+                "compile_layers_once")
 
 
 class ConfigError(ValueError):
@@ -114,6 +116,10 @@ class Config:
     prefetch: int = 1
     # Compilation and debugging.
     inductor: bool = True
+    # Compile each layer's compute once and reuse it for identical layers
+    # (torch.compiler.nested_compile_region), its parameters gathered outside it, so compile time
+    # stops growing with depth while bucketing and the schedule still see every gather.
+    compile_layers_once: bool = False
     # Inductor settings for zeropp's graphs, as torch._inductor.config names (e.g.
     # {"max_autotune": True}); applied on top of the ones the backend sets. Kept as sorted pairs.
     inductor_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
@@ -133,7 +139,8 @@ class Config:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for key in ("quantized_weights", "quantized_gradients", "reshard_after_forward", "inductor", "cuda_graphs"):
+        for key in ("quantized_weights", "quantized_gradients", "reshard_after_forward", "inductor", "cuda_graphs",
+                    "compile_layers_once"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"Config.{key}={getattr(self, key)!r} must be True or False")
         for key in ("weight_block_size", "gradient_block_size"):

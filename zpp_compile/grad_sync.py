@@ -52,7 +52,11 @@ class GradAccumulator:
 
 
 def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
-    """`module.<name>`, gathered, with its gradient reduced, kept, or added to the kept one."""
+    """`module.<name>`, gathered, with its gradient reduced, kept, or added to the kept one; inside
+    a layer compiled once (`Config.compile_layers_once`), the weight its caller gathered."""
+    given = getattr(module, "_zpp_given", None)
+    if given:
+        return given[name]
     layout, shard = module._zpp_layouts[name], module._parameters[name]
     accumulator = module._zpp_accumulators.get(name)
     if accumulator is None:

@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,8 @@ def shard(
         module._zpp_accumulators = {}  # filled by set_requires_gradient_sync
         module.__class__ = _gathering_class(type(module), frozenset(names))
         accept_full_tensors(module)
+    if config.compile_layers_once:
+        _compile_once(layers.values())
     broadcast_buffers(model, topology)
     REGISTRY.models[model] = state
     return model
@@ -260,6 +262,47 @@ def _gathering_class(cls: type, names: frozenset[str]) -> type:
             f"Sharded{cls.__name__}", (cls,), {**{name: gathered(name) for name in sorted(names)}, "_apply": _apply}
         )
     return REGISTRY.gathering_classes[key]
+
+
+def _compile_once(layers: Iterable[nn.Module]) -> None:
+    """Gives each layer a forward that gathers the layer's parameters, then runs the layer's own
+    forward with them through `_layer_compute`, one compile region for every identical layer."""
+    region_classes: dict[type, type] = {}
+    for layer in layers:
+        params = tuple((module, name) for module in layer.modules() for name in getattr(module, "_zpp_layouts", {}))
+        if not params:
+            continue
+        for module, _ in params:
+            module._zpp_given = {}
+        layer._zpp_region_params = params
+        cls = type(layer)
+        if cls not in region_classes:
+            # The class keeps its name, which transformers and wrap policies match layers by.
+            region_classes[cls] = type(cls.__name__, (cls,), {"forward": _gather_then_compute, "_zpp_compute": cls.forward})
+        layer.__class__ = region_classes[cls]
+
+
+def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A layer's forward under Config.compile_layers_once: its parameters are gathered here, in
+    the step's graph (where bucketing, reshard after forward and the schedule act on them), and
+    its compute runs in the compile region shared by identical layers."""
+    weights = tuple(gathered_weight(module, name) for module, name in layer._zpp_region_params)
+    return _layer_compute(layer, weights, args, kwargs)
+
+
+@torch.compiler.nested_compile_region
+def _layer_compute(layer: nn.Module, weights: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> Any:
+    """`layer`'s own forward with `weights` as its gathered parameters (what their properties
+    return meanwhile). torch.compile traces it into one subgraph, compiled once and called by
+    every layer of the same structure; run eagerly it is a plain call."""
+    params = layer._zpp_region_params
+    for (module, name), weight in zip(params, weights):
+        module._zpp_given[name] = weight
+    try:
+        return type(layer)._zpp_compute(layer, *args, **kwargs)
+    finally:
+        for module, _ in params:
+            module._zpp_given.clear()
 
 
 # The conversion nn.Module.to_empty() applies, known by its name (torch gives it no other mark).
