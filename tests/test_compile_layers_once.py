@@ -1,0 +1,80 @@
+"""Config.compile_layers_once: every decoder layer of an HF Llama runs one compiled region, its
+weights gathered outside it, with the unsharded model's gradients and backward's re-gathers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zpp_compile as zpp
+from distributed import device, run_ranks
+from models import batches
+from zpp_compile.backend import zeropp_backend
+
+LAYERS = 3
+PER_RANK = 2
+VOCAB = 61
+
+
+def llama(transformers) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=72, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config).to(device())
+
+
+def sharded_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient, by the unsharded model's parameter names."""
+    grads = {}
+    for name, module in model.named_modules():
+        for leaf, param in module._parameters.items():
+            if param is not None:
+                grads[f"{name}.{leaf}".lstrip(".")] = param.grad.full_tensor().reshape(module._zpp_layouts[leaf].shape)
+    return grads
+
+
+def compile_once_run(rank: int, world_size: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    tokens = batches(1, world_size, PER_RANK, vocab=VOCAB)[0][0].to(device())
+    mine = tokens[rank * PER_RANK:(rank + 1) * PER_RANK]
+    reference = llama(transformers)
+    reference(input_ids=tokens, labels=tokens).loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+
+    model = zpp.shard(llama(transformers), zpp.Config(compile_layers_once=True))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return zeropp_backend(gm, example_inputs, {"inductor": False})
+
+    step = torch.compile(model, backend=backend)
+    step(input_ids=mine, labels=mine).loss.backward()
+    for name, grad in sharded_grads(model).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+    # One subgraph, called by every layer.
+    (graph,) = graphs
+    regions = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(regions) == LAYERS and len({n.args[0].target for n in regions}) == 1
+
+    # Reshard after forward: backward gathers every layer's weights again. Forward gathers the
+    # embedding, each layer (one bucket each) and the final norm with the head; backward all but
+    # the embedding, whose gradient needs no weight.
+    gathers = Counter(row.phase for row in zpp.comm_report().rows)
+    assert (gathers["forward weight gather"], gathers["backward weight gather"]) == (LAYERS + 2, LAYERS + 1)
+
+    # Run eagerly, the layers compute with the weights gathered before them just the same.
+    model.zero_grad()
+    model(input_ids=mine, labels=mine).loss.backward()
+    for name, grad in sharded_grads(model).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
+    run_ranks(compile_once_run, 2)
