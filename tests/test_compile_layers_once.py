@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
+from zpp_compile.config import ConfigError
 from distributed import device, run_ranks
 from models import batches
 from zpp_compile.backend import zeropp_backend
@@ -78,3 +79,11 @@ def compile_once_run(rank: int, world_size: int) -> None:
 
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
     run_ranks(compile_once_run, 2)
+
+
+def test_activation_checkpointing_is_refused_with_layers_compiled_once():
+    # Checkpointing would silently keep every activation: the layers are partitioned in their regions.
+    with pytest.raises(ConfigError, match="compile_layers_once=True does not combine with activation_checkpointing"):
+        zpp.Config(compile_layers_once=True, activation_checkpointing="full")
+    with pytest.raises(ConfigError, match="activation_checkpointing='selective'"):
+        zpp.Config(compile_layers_once=True).updated({"activation_checkpointing": "selective"})

@@ -166,6 +166,12 @@ class Config:
             )
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise ConfigError(f"Config.prefetch={self.prefetch!r} must be an integer >= 0")
+        if self.compile_layers_once and self.activation_checkpointing != "none":
+            raise ConfigError(
+                f"Config.compile_layers_once=True does not combine with activation_checkpointing="
+                f"{self.activation_checkpointing!r}: each layer's compute is partitioned inside its compile region, "
+                "which the checkpointing pass does not reach, so activations would be kept; drop one of the two"
+            )
         if self.cuda_graphs and not self.inductor:
             raise ConfigError("Config.cuda_graphs=True needs Inductor; drop inductor=False or cuda_graphs=True")
         timeout = self.collective_timeout_s

@@ -6,7 +6,9 @@ sharded parameters under their original names. The module's class is swapped for
 whose properties return the gathered weight: reading `module.weight` calls the
 `zpp::all_gather_param` IR op on the local shard, and autograd reduces the gradient back to the
 shard through `zpp::reduce_grad`. Run eagerly this is plain ZeRO-3; under
-`torch.compile(backend="zeropp")` the passes rewrite those ops.
+`torch.compile(backend="zeropp")` the passes rewrite those ops. With Config.compile_layers_once,
+each layer gathers all its parameters first and computes inside a compile region that
+torch.compile partitions and compiles once for every identical layer.
 """
 
 from __future__ import annotations
@@ -278,7 +280,8 @@ def _compile_once(layers: Iterable[nn.Module]) -> None:
         cls = type(layer)
         if cls not in region_classes:
             # The class keeps its name, which transformers and wrap policies match layers by.
-            region_classes[cls] = type(cls.__name__, (cls,), {"forward": _gather_then_compute, "_zpp_compute": cls.forward})
+            body = {"forward": _gather_then_compute, "_zpp_compute": cls.forward}
+            region_classes[cls] = type(cls.__name__, (cls,), body)
         layer.__class__ = region_classes[cls]
 
 
@@ -293,8 +296,10 @@ def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
 @torch.compiler.nested_compile_region
 def _layer_compute(layer: nn.Module, weights: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> Any:
     """`layer`'s own forward with `weights` as its gathered parameters (what their properties
-    return meanwhile). torch.compile traces it into one subgraph, compiled once and called by
-    every layer of the same structure; run eagerly it is a plain call."""
+    return meanwhile). Dynamo traces it at every call (setting the weights on the modules is a
+    side effect, which rules out its reuse of a trace), finds the graph of an identical layer
+    already installed and calls that one subgraph, which AOTAutograd and Inductor then handle
+    once; run eagerly it is a plain call."""
     params = layer._zpp_region_params
     for (module, name), weight in zip(params, weights):
         module._zpp_given[name] = weight
