@@ -83,4 +83,3 @@ def _recompute(
                     copies[(forward_call, node)] = graph.node_copy(node, lambda n: env[n])
                 env[node] = copies[(forward_call, node)]
     return env[value]
-

@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
-from zpp_compile.config import ConfigError
 from distributed import device, run_ranks
 from models import batches
 from zpp_compile.backend import zeropp_backend
+from zpp_compile.config import ConfigError
 
 LAYERS = 3
 PER_RANK = 2
