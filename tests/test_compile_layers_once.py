@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import compile_times
 
 import zpp_compile as zpp
 from distributed import device, run_ranks
@@ -39,6 +40,13 @@ def sharded_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+def region_traces() -> int:
+    """How many times Dynamo has traced the body of a nested compile region in this process."""
+    names, values = compile_times(repr="csv")
+    times = dict(zip(names, values)).get("invoke_subgraph_trace")
+    return len(times.split(",")) if times else 0
+
+
 def compile_once_run(rank: int, world_size: int) -> None:
     transformers = pytest.importorskip("transformers")
     tokens = batches(1, world_size, PER_RANK, vocab=VOCAB)[0][0].to(device())
@@ -55,7 +63,10 @@ def compile_once_run(rank: int, world_size: int) -> None:
         return zeropp_backend(gm, example_inputs, {"inductor": False})
 
     step = torch.compile(model, backend=backend)
+    traced_before = region_traces()
     step(input_ids=mine, labels=mine).loss.backward()
+    # Dynamo traced the first layer's region and reused that trace for the others.
+    assert region_traces() - traced_before == 1
     for name, grad in sharded_grads(model).items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .runtime.ops import AddPendingGrad, KeepGradLocal
 from .runtime.registry import REGISTRY
@@ -53,11 +54,11 @@ class GradAccumulator:
 
 def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
     """`module.<name>`, gathered, with its gradient reduced, kept, or added to the kept one; inside
-    a layer compiled once (`Config.compile_layers_once`), the weight its caller gathered."""
-    given = getattr(module, "_zpp_given", None)
-    if given:
-        return given[name]
+    a layer compiled once (`Config.compile_layers_once`), whose parameters then hold the weights
+    its caller gathered in place of the shards, that weight as it is."""
     layout, shard = module._zpp_layouts[name], module._parameters[name]
+    if not isinstance(shard, DTensor):
+        return shard
     accumulator = module._zpp_accumulators.get(name)
     if accumulator is None:
         return layout.gather(shard)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .config import Config, ConfigError
 from .grad_sync import gathered_weight
@@ -271,12 +272,14 @@ def _compile_once(layers: Iterable[nn.Module]) -> None:
     forward with them through `_layer_compute`, one compile region for every identical layer."""
     region_classes: dict[type, type] = {}
     for layer in layers:
-        params = tuple((module, name) for module in layer.modules() for name in getattr(module, "_zpp_layouts", {}))
-        if not params:
+        holders = tuple(
+            (path, tuple(module._zpp_layouts))
+            for path, module in layer.named_modules()
+            if hasattr(module, "_zpp_layouts")
+        )
+        if not holders:
             continue
-        for module, _ in params:
-            module._zpp_given = {}
-        layer._zpp_region_params = params
+        layer._zpp_region_holders = holders
         cls = type(layer)
         if cls not in region_classes:
             # The class keeps its name, which transformers and wrap policies match layers by.
@@ -289,25 +292,38 @@ def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A layer's forward under Config.compile_layers_once: its parameters are gathered here, in
     the step's graph (where bucketing, reshard after forward and the schedule act on them), and
     its compute runs in the compile region shared by identical layers."""
-    weights = tuple(gathered_weight(module, name) for module, name in layer._zpp_region_params)
+    weights = tuple(
+        gathered_weight(layer.get_submodule(path), name) for path, names in layer._zpp_region_holders for name in names
+    )
     return _layer_compute(layer, weights, args, kwargs)
 
 
 @torch.compiler.nested_compile_region
 def _layer_compute(layer: nn.Module, weights: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> Any:
-    """`layer`'s own forward with `weights` as its gathered parameters (what their properties
-    return meanwhile). Dynamo traces it at every call (setting the weights on the modules is a
-    side effect, which rules out its reuse of a trace), finds the graph of an identical layer
-    already installed and calls that one subgraph, which AOTAutograd and Inductor then handle
-    once; run eagerly it is a plain call."""
-    params = layer._zpp_region_params
-    for (module, name), weight in zip(params, weights):
-        module._zpp_given[name] = weight
-    try:
+    """`layer`'s own forward with `weights` (in `_zpp_region_holders` order) in place of its shards.
+
+    A pure function of its tensors, so that Dynamo traces it for the first layer and reuses that
+    trace for every identical one (it refuses reuse for a region with side effects, such as
+    setting the weights on the modules): the weights are swapped in and back by
+    `_reparametrize_module` (torch.func.functional_call's, which Dynamo knows to restore; the
+    public function would call the layer's hooks a second time), and the modules' gathering
+    properties return them. Run eagerly it is a plain call."""
+    holders = tuple((layer.get_submodule(path), names) for path, names in layer._zpp_region_holders)
+    return _compute_with(layer, holders, weights, args, kwargs)
+
+
+def _compute_with(
+    layer: nn.Module, holders: tuple[tuple[nn.Module, tuple[str, ...]], ...], weights: tuple[torch.Tensor, ...],
+    args: tuple, kwargs: dict,
+) -> Any:
+    """`layer`'s own forward with each module of `holders` holding its next `weights` in place of
+    its shards. One module per `_reparametrize_module`: Dynamo disregards the swap of the
+    `_parameters` of the module it is given, not of that module's children."""
+    if not holders:
         return type(layer)._zpp_compute(layer, *args, **kwargs)
-    finally:
-        for module, _ in params:
-            module._zpp_given.clear()
+    (module, names), rest = holders[0], holders[1:]
+    with _reparametrize_module(module, dict(zip(names, weights))):
+        return _compute_with(layer, rest, weights[len(names):], args, kwargs)
 
 
 # The conversion nn.Module.to_empty() applies, known by its name (torch gives it no other mark).
