@@ -14,7 +14,8 @@ scheduling and code generation, and the compilation of the generated code (C++ /
     python examples/compile_probe.py --shape llama-3b --nproc 1 --seq 2048 --batch 2 --dtype bf16
 
 Variants: `fsdp2` (`fully_shard` on every decoder layer and the root, then `torch.compile(model)`),
-`zero3` (zeropp, plain ZeRO-3), `all3` (zeropp with qwZ, hpZ and qgZ). `--profile DIR` writes a
+`zero3` (zeropp, plain ZeRO-3), `zero3-regions` (the same with `Config.compile_layers_once`: one
+compile region for every identical layer), `all3` (zeropp with qwZ, hpZ and qgZ). `--profile DIR` writes a
 cProfile of rank 0's first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof` and the
 top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.
 """
@@ -60,7 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--layers", type=int, nargs="+", help="decoder layers (default: 16 28 for small, else the model's)")
     p.add_argument("--hidden", type=int, help="override the shape's hidden size (intermediate = 2.75x)")
-    p.add_argument("--variants", nargs="+", choices=["fsdp2", "zero3", "all3"], default=["fsdp2", "zero3"])
+    p.add_argument("--heads", type=int, help="override the shape's attention heads (KV heads at most as many)")
+    p.add_argument("--vocab", type=int, help="override the shape's vocabulary size")
+    p.add_argument("--variants", nargs="+", choices=["fsdp2", "zero3", "zero3-regions", "all3"],
+                   default=["fsdp2", "zero3"])
+    p.add_argument("--launches", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
+                   help="launches per variant and depth, in this order on one cache directory")
     p.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU on CUDA)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
@@ -86,6 +92,10 @@ def build_llama(args: argparse.Namespace, layers: int, device: torch.device) -> 
     shape = SHAPES[args.shape]
     if args.hidden:
         shape = dataclasses.replace(shape, dim=args.hidden, ffn=args.hidden * 11 // 4)
+    if args.heads:
+        shape = dataclasses.replace(shape, heads=args.heads, kv_heads=min(shape.kv_heads, args.heads))
+    if args.vocab:
+        shape = dataclasses.replace(shape, vocab=args.vocab)
     torch.manual_seed(0)
     with torch.device(device):
         return llama(shape, layers, args.seq)
@@ -107,7 +117,7 @@ def prepare(args: argparse.Namespace, model: nn.Module, device: torch.device) ->
         return torch.compile(model)
     import zpp_compile as zpp
 
-    options = {"param_dtype": compute, "ranks_per_node": world}
+    options = {"param_dtype": compute, "ranks_per_node": world, "compile_layers_once": args.variant == "zero3-regions"}
     if args.variant == "all3":
         # Two emulated nodes where there are two ranks or more, so each technique has a link to act on.
         per_node = max(world // 2, 1)
@@ -248,6 +258,8 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
                "--steps", str(args.steps), "--dtype", args.dtype]
     command += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []
     command += ["--hidden", str(args.hidden)] if args.hidden else []
+    command += ["--heads", str(args.heads)] if args.heads else []
+    command += ["--vocab", str(args.vocab)] if args.vocab else []
     command += ["--profile", args.profile] if args.profile else []
     start = time.perf_counter()
     subprocess.run(command, env=env, check=True)
@@ -258,13 +270,13 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
 
 def table(results: list[dict]) -> str:
     width = {c: max(len(c), 6) for c in COLUMNS}
-    lines = [f"{'variant':<7} {'layers':>6} {'launch':<6} {'first step s':>12} {'cpu s':>7} {'ms/step':>8} "
+    lines = [f"{'variant':<13} {'layers':>6} {'launch':<6} {'first step s':>12} {'cpu s':>7} {'ms/step':>8} "
              f"{'peak GiB':>8} {'MFU':>5}  " + " ".join(f"{c:>{width[c]}}" for c in COLUMNS)]
     for r in results:
         p = phases(r["first_step_s"], r["compile_times"])
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
-        lines.append(f"{r['variant']:<7} {r['layers']:>6} {r['launch']:<6} {r['first_step_s']:>12.1f} "
+        lines.append(f"{r['variant']:<13} {r['layers']:>6} {r['launch']:<6} {r['first_step_s']:>12.1f} "
                      f"{r['first_step_cpu_s']:>7.1f} {r['ms_per_step']:>8.1f} {peak:>8} {mfu:>5}  "
                      + " ".join(f"{p[c]:>{width[c]}.1f}" for c in COLUMNS))
     for r in results:
@@ -288,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         for variant in args.variants:
             cache = Path(tempfile.mkdtemp(prefix=f"zpp-probe-{variant}-{layers}-"))
             try:
-                for name in ("cold", "warm"):
+                for name in args.launches:
                     results.append(launch(args, variant, layers, name, cache))
                     print(table(results[-1:]), flush=True)
             finally:
