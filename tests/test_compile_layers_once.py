@@ -15,6 +15,7 @@ from distributed import device, run_ranks
 from models import batches
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.config import ConfigError
+from zpp_compile.sharding import _flatten_call, _unflatten_call
 
 LAYERS = 3
 PER_RANK = 2
@@ -98,3 +99,17 @@ def test_activation_checkpointing_is_refused_with_layers_compiled_once():
         zpp.Config(compile_layers_once=True, activation_checkpointing="full")
     with pytest.raises(ConfigError, match="activation_checkpointing='selective'"):
         zpp.Config(compile_layers_once=True).updated({"activation_checkpointing": "selective"})
+
+
+def test_layer_arguments_come_back_from_the_flat_region_call():
+    a, b, c = torch.ones(2), torch.zeros(3), torch.arange(4)
+    calls = [
+        ((), {}),
+        ((a,), {"mask": None, "rope": (b, c), "cache": None, "use_cache": False}),
+        ((a, (b, c), ()), {"nested": (a, (b,)), "listed": [c], "mapped": {"k": a}, "n": 3}),
+    ]
+    for args, kwargs in calls:
+        layout, values = _flatten_call(args, kwargs)
+        assert _unflatten_call(len(args), layout, tuple(values)) == (args, kwargs)
+    # Tuples are opened in place, so Dynamo sees only tensors and constants.
+    assert _flatten_call(*calls[1]) == ("0,mask,rope*2,cache,use_cache", [a, None, b, c, None, False])

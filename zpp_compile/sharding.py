@@ -272,14 +272,12 @@ def _compile_once(layers: Iterable[nn.Module]) -> None:
     forward with them through `_layer_compute`, one compile region for every identical layer."""
     region_classes: dict[type, type] = {}
     for layer in layers:
-        holders = tuple(
-            (path, tuple(module._zpp_layouts))
-            for path, module in layer.named_modules()
-            if hasattr(module, "_zpp_layouts")
-        )
+        holders = [(path, module) for path, module in layer.named_modules() if hasattr(module, "_zpp_layouts")]
         if not holders:
             continue
-        layer._zpp_region_holders = holders
+        # By path for the region, which must reach the modules from `layer` to be reused for other layers.
+        layer._zpp_region_holders = tuple((path, tuple(module._zpp_layouts)) for path, module in holders)
+        layer._zpp_region_params = tuple((module, name) for _, module in holders for name in module._zpp_layouts)
         cls = type(layer)
         if cls not in region_classes:
             # The class keeps its name, which transformers and wrap policies match layers by.
@@ -292,15 +290,44 @@ def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A layer's forward under Config.compile_layers_once: its parameters are gathered here, in
     the step's graph (where bucketing, reshard after forward and the schedule act on them), and
     its compute runs in the compile region shared by identical layers."""
-    weights = tuple(
-        gathered_weight(layer.get_submodule(path), name) for path, names in layer._zpp_region_holders for name in names
-    )
-    return _layer_compute(layer, weights, args, kwargs)
+    weights = [gathered_weight(module, name) for module, name in layer._zpp_region_params]
+    layout, values = _flatten_call(args, kwargs)
+    return _layer_compute(layer, len(args), layout, *weights, *values)
+
+
+def _flatten_call(args: tuple, kwargs: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The layer's arguments as one list of values (a tuple argument's items in its place) and a
+    string that puts them back (`_unflatten_call`): Dynamo compares a region's tensors and
+    constants at each call directly, where any container costs it a traced pytree flatten."""
+    keys, values = [], []
+    for key, value in (*enumerate(args), *kwargs.items()):
+        if type(value) is tuple:
+            keys.append(f"{key}*{len(value)}")
+            values.extend(value)
+        else:
+            keys.append(str(key))
+            values.append(value)
+    return ",".join(keys), values
+
+
+def _unflatten_call(positional: int, layout: str, values: tuple) -> tuple[tuple, dict[str, Any]]:
+    """The arguments `_flatten_call` gave as `layout` and `values`; the first `positional` are positional."""
+    items, at = [], 0
+    for key in layout.split(",") if layout else ():
+        name, _, count = key.partition("*")
+        if count:
+            items.append((name, tuple(values[at:at + int(count)])))
+            at += int(count)
+        else:
+            items.append((name, values[at]))
+            at += 1
+    return tuple(value for _, value in items[:positional]), dict(items[positional:])
 
 
 @torch.compiler.nested_compile_region
-def _layer_compute(layer: nn.Module, weights: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> Any:
-    """`layer`'s own forward with `weights` (in `_zpp_region_holders` order) in place of its shards.
+def _layer_compute(layer: nn.Module, positional: int, layout: str, *values: Any) -> Any:
+    """`layer`'s own forward: `values` are its gathered weights (in `_zpp_region_params` order), in
+    place of its shards, then its arguments (`_flatten_call`).
 
     A pure function of its tensors, so that Dynamo traces it for the first layer and reuses that
     trace for every identical one (it refuses reuse for a region with side effects, such as
@@ -309,7 +336,9 @@ def _layer_compute(layer: nn.Module, weights: tuple[torch.Tensor, ...], args: tu
     public function would call the layer's hooks a second time), and the modules' gathering
     properties return them. Run eagerly it is a plain call."""
     holders = tuple((layer.get_submodule(path), names) for path, names in layer._zpp_region_holders)
-    return _compute_with(layer, holders, weights, args, kwargs)
+    count = sum(len(names) for _, names in holders)
+    args, kwargs = _unflatten_call(positional, layout, values[count:])
+    return _compute_with(layer, holders, values[:count], args, kwargs)
 
 
 def _compute_with(
