@@ -20,6 +20,7 @@ import torch.nn as nn
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._guards import CompileContext
+from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph_nodes
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -45,6 +46,7 @@ def zeropp_backend(
     replaces zeropp's list of passes (to add one, or to wrap one to inspect its graph):
     `torch.compile(model, backend=functools.partial(zeropp_backend, passes=[...]), options={...})`.
     """
+    _inline_gathers(gm)
     state = _sharding_state(gm, example_inputs)
     if state is None:  # a graph without parameters (e.g. the loss after a graph break)
         config = Config.load(dict(options or {}))
@@ -150,3 +152,17 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], manager: PassM
         return make_boxed_func(graph_module)
 
     return aot_autograd(fw_compiler=lower, bw_compiler=lower, partition_fn=partition)(gm, example_inputs)
+
+
+def _inline_gathers(gm: fx.GraphModule) -> None:
+    """Puts the gathers of layers compiled once (`Config.compile_layers_once`) back into the step's
+    graph: Dynamo traced them once, in a compile region reused for identical layers, but the
+    passes act on each gather in the step's graph."""
+    calls = [
+        node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+        if getattr(gm, node.args[0].target).graph.find_nodes(op="call_function", target=torch.ops.zpp.all_gather_param)
+    ]
+    if calls:
+        inline_invoke_subgraph_nodes(gm, calls)
+        gm.delete_all_unused_submodules()
+        gm.recompile()

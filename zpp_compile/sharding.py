@@ -275,9 +275,8 @@ def _compile_once(layers: Iterable[nn.Module]) -> None:
         holders = [(path, module) for path, module in layer.named_modules() if hasattr(module, "_zpp_layouts")]
         if not holders:
             continue
-        # By path for the region, which must reach the modules from `layer` to be reused for other layers.
+        # By path: a region reused for another layer reaches that layer's modules from it.
         layer._zpp_region_holders = tuple((path, tuple(module._zpp_layouts)) for path, module in holders)
-        layer._zpp_region_params = tuple((module, name) for _, module in holders for name in module._zpp_layouts)
         cls = type(layer)
         if cls not in region_classes:
             # The class keeps its name, which transformers and wrap policies match layers by.
@@ -287,12 +286,22 @@ def _compile_once(layers: Iterable[nn.Module]) -> None:
 
 
 def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A layer's forward under Config.compile_layers_once: its parameters are gathered here, in
-    the step's graph (where bucketing, reshard after forward and the schedule act on them), and
-    its compute runs in the compile region shared by identical layers."""
-    weights = [gathered_weight(module, name) for module, name in layer._zpp_region_params]
+    """A layer's forward under Config.compile_layers_once: its parameters are gathered in one
+    compile region, which the backend puts back into the step's graph (where bucketing, reshard
+    after forward and the schedule act on them), and its compute runs in another, which stays a
+    region shared by identical layers."""
+    weights = _gather_layer(layer)
     layout, values = _flatten_call(args, kwargs)
     return _layer_compute(layer, len(args), layout, *weights, *values)
+
+
+@torch.compiler.nested_compile_region
+def _gather_layer(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    """`layer`'s parameters gathered, in `_zpp_region_holders` order. A region only so that Dynamo
+    traces the gathers once for identical layers; the backend inlines it (`backend._inline_gathers`)."""
+    return tuple(
+        gathered_weight(layer.get_submodule(path), name) for path, names in layer._zpp_region_holders for name in names
+    )
 
 
 def _flatten_call(args: tuple, kwargs: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -326,8 +335,8 @@ def _unflatten_call(positional: int, layout: str, values: tuple) -> tuple[tuple,
 
 @torch.compiler.nested_compile_region
 def _layer_compute(layer: nn.Module, positional: int, layout: str, *values: Any) -> Any:
-    """`layer`'s own forward: `values` are its gathered weights (in `_zpp_region_params` order), in
-    place of its shards, then its arguments (`_flatten_call`).
+    """`layer`'s own forward: `values` are its gathered weights (`_gather_layer`), in place of its
+    shards, then its arguments (`_flatten_call`).
 
     A pure function of its tensors, so that Dynamo traces it for the first layer and reuses that
     trace for every identical one (it refuses reuse for a region with side effects, such as
