@@ -13,6 +13,7 @@ from torch._dynamo.utils import compile_times
 import zpp_compile as zpp
 from distributed import device, run_ranks
 from models import batches
+from test_composability import no_sync_run
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.config import ConfigError
 from zpp_compile.sharding import _flatten_call, _unflatten_call
@@ -90,8 +91,16 @@ def compile_once_run(rank: int, world_size: int) -> None:
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def compile_once_runs(rank: int, world_size: int) -> None:
+    compile_once_run(rank, world_size)
+    # Gradient accumulation without sync: the gathers in the layers' regions keep or add the
+    # gradients, as inline ones do.
+    zpp.reset_comm_report()  # no_sync_run reads the graphs of its own model
+    no_sync_run(rank, world_size, compiled=True, config=zpp.Config(compile_layers_once=True))
+
+
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
-    run_ranks(compile_once_run, 2)
+    run_ranks(compile_once_runs, 2)
 
 
 def test_activation_checkpointing_is_refused_with_layers_compiled_once():

@@ -31,14 +31,14 @@ def accumulation_step(model: nn.Module, step_fn, micro_batches, sync_from: int) 
     opt.zero_grad()
 
 
-def no_sync_run(rank: int, world_size: int, compiled: bool) -> None:
+def no_sync_run(rank: int, world_size: int, compiled: bool, config: zpp.Config | None = None) -> None:
     """Two accumulation windows of 4 micro-batches, no sync on the first 3 of each, against the
     unsharded model accumulating the same global micro-batches."""
     data = batches(2 * MICRO, world_size, PER_RANK)
     windows = [data[:MICRO], data[MICRO:]]
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     torch.manual_seed(0)
-    model = zpp.shard(TinyTransformer().to(device()))
+    model = zpp.shard(TinyTransformer().to(device()), config)
     step_fn = torch.compile(model, backend="zeropp", options={"inductor": False}) if compiled else model
     for window in windows:
         accumulation_step(model, step_fn, [(x[mine], y[mine]) for x, y in window], sync_from=MICRO - 1)
