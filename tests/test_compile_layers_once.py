@@ -91,8 +91,39 @@ def compile_once_run(rank: int, world_size: int) -> None:
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+class NumberedLayer(nn.Module):
+    """A layer whose forward reads a number of its own, as an HF layer may read its layer_idx:
+    the same parameters as its siblings, a trace of its own."""
+
+    def __init__(self, dim: int, number: int) -> None:
+        super().__init__()
+        self.number = number
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x) / (self.number + 1)
+
+
+def numbered_layers_run(rank: int, world_size: int) -> None:
+    """More layers of distinct traces than torch's default cap on a region's traces (8)."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(NumberedLayer(8, number) for number in range(12))).to(device())
+
+    x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(1)).to(device())
+    reference = build()
+    reference(x).pow(2).mean().backward()
+    model = zpp.shard(build(), zpp.Config(compile_layers_once=True))
+    mine = x[rank * 2:(rank + 1) * 2]
+    torch.compile(model, backend="zeropp", options={"inductor": False})(mine).pow(2).mean().backward()
+    for name, grad in sharded_grads(model).items():
+        torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def compile_once_runs(rank: int, world_size: int) -> None:
     compile_once_run(rank, world_size)
+    numbered_layers_run(rank, world_size)
     # Gradient accumulation without sync: the gathers in the layers' regions keep or add the
     # gradients, as inline ones do.
     zpp.reset_comm_report()  # no_sync_run reads the graphs of its own model

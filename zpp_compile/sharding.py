@@ -285,6 +285,11 @@ def _compile_once(layers: Iterable[nn.Module]) -> None:
         layer.__class__ = region_classes[cls]
 
 
+# Identical layers whose forwards read different constants (an HF layer's layer_idx) get a trace
+# each; torch's default cap on a region's traces (8) would stop deeper models with an error.
+_REGION_TRACES = 1024
+
+
 def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A layer's forward under Config.compile_layers_once: its parameters are gathered in one
     compile region, which the backend puts back into the step's graph (where bucketing, reshard
@@ -295,7 +300,7 @@ def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _layer_compute(layer, len(args), layout, *weights, *values)
 
 
-@torch.compiler.nested_compile_region
+@torch.compiler.nested_compile_region(max_reuse_entries=_REGION_TRACES)
 def _gather_layer(layer: nn.Module) -> tuple[torch.Tensor, ...]:
     """`layer`'s parameters gathered, in `_zpp_region_holders` order. A region only so that Dynamo
     traces the gathers once for identical layers; the backend inlines it (`backend._inline_gathers`)."""
@@ -333,7 +338,7 @@ def _unflatten_call(positional: int, layout: str, values: tuple) -> tuple[tuple,
     return tuple(value for _, value in items[:positional]), dict(items[positional:])
 
 
-@torch.compiler.nested_compile_region
+@torch.compiler.nested_compile_region(max_reuse_entries=_REGION_TRACES)
 def _layer_compute(layer: nn.Module, positional: int, layout: str, *values: Any) -> Any:
     """`layer`'s own forward: `values` are its gathered weights (`_gather_layer`), in place of its
     shards, then its arguments (`_flatten_call`).
