@@ -12,6 +12,7 @@ rewritten graphs execute without Inductor.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -20,7 +21,6 @@ import torch.nn as nn
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._guards import CompileContext
-from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph_nodes
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -162,7 +162,37 @@ def _inline_gathers(gm: fx.GraphModule) -> None:
         node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
         if getattr(gm, node.args[0].target).graph.find_nodes(op="call_function", target=torch.ops.zpp.all_gather_param)
     ]
+    for call in calls:
+        _inline_call(gm, call)
     if calls:
-        inline_invoke_subgraph_nodes(gm, calls)
+        gm.graph.eliminate_dead_code()
         gm.delete_all_unused_submodules()
         gm.recompile()
+
+
+def _inline_call(gm: fx.GraphModule, call: fx.Node) -> None:
+    """Replaces an `invoke_subgraph(body, identifier, *operands)` call by a copy of the body's
+    nodes reading the operands; the call's `getitem` users read the copied outputs."""
+    body = getattr(gm, call.args[0].target)
+    copies = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[2:]))
+    with gm.graph.inserting_before(call):
+        for attr in body.graph.find_nodes(op="get_attr"):  # e.g. the bodies of autograd functions
+            name = _unused_attribute(gm, f"{call.args[0].target}_{attr.target}")
+            setattr(gm, name, getattr(body, attr.target))
+            copies[attr] = gm.graph.get_attr(name)
+        outputs = gm.graph.graph_copy(body.graph, copies)
+    for user in list(call.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(outputs[user.args[1]])
+            gm.graph.erase_node(user)
+    if call.users:
+        raise AssertionError(f"a gather region's call is read other than by index: {list(call.users)}")
+    gm.graph.erase_node(call)
+
+
+def _unused_attribute(gm: fx.GraphModule, base: str) -> str:
+    name, n = base, 0
+    while hasattr(gm, name):
+        n += 1
+        name = f"{base}_{n}"
+    return name
