@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -290,6 +291,13 @@ def _compile_once(layers: Iterable[nn.Module]) -> None:
 _REGION_TRACES = 1024
 
 
+def _compile_region(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as a nested compile region, with room for a trace per layer where torch caps them."""
+    if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters:
+        return torch.compiler.nested_compile_region(max_reuse_entries=_REGION_TRACES)(fn)
+    return torch.compiler.nested_compile_region(fn)
+
+
 def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A layer's forward under Config.compile_layers_once: its parameters are gathered in one
     compile region, which the backend puts back into the step's graph (where bucketing, reshard
@@ -300,7 +308,7 @@ def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _layer_compute(layer, len(args), layout, *weights, *values)
 
 
-@torch.compiler.nested_compile_region(max_reuse_entries=_REGION_TRACES)
+@_compile_region
 def _gather_layer(layer: nn.Module) -> tuple[torch.Tensor, ...]:
     """`layer`'s parameters gathered, in `_zpp_region_holders` order. A region only so that Dynamo
     traces the gathers once for identical layers; the backend inlines it (`backend._inline_gathers`)."""
@@ -338,7 +346,7 @@ def _unflatten_call(positional: int, layout: str, values: tuple) -> tuple[tuple,
     return tuple(value for _, value in items[:positional]), dict(items[positional:])
 
 
-@torch.compiler.nested_compile_region(max_reuse_entries=_REGION_TRACES)
+@_compile_region
 def _layer_compute(layer: nn.Module, positional: int, layout: str, *values: Any) -> Any:
     """`layer`'s own forward: `values` are its gathered weights (`_gather_layer`), in place of its
     shards, then its arguments (`_flatten_call`).
