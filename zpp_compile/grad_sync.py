@@ -56,17 +56,34 @@ def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
     """`module.<name>`, gathered, with its gradient reduced, kept, or added to the kept one; inside
     a layer compiled once (`Config.compile_layers_once`), whose parameters then hold the weights
     its caller gathered in place of the shards, that weight as it is."""
-    layout, shard = module._zpp_layouts[name], module._parameters[name]
+    shard = module._parameters[name]
     if not isinstance(shard, DTensor):
         return shard
+    return gather_local_shard(module, name, local_shard(module, name))
+
+
+def local_shard(module: nn.Module, name: str) -> torch.Tensor:
+    """This rank's part of `module.<name>`'s shard, as `gather_local_shard` reads it: detached while
+    gradients are kept on this rank, since those never flow back to the shard."""
+    shard = module._parameters[name]
+    accumulator = module._zpp_accumulators.get(name)
+    if accumulator is not None and not accumulator.sync:
+        shard = shard.detach()
+    return shard.to_local()
+
+
+def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
+    """`module.<name>` gathered from this rank's part of its shard (`local_shard`), its gradient
+    reduced, kept on this rank, or added to the kept one."""
+    weight = module._zpp_layouts[name].gather(local)
     accumulator = module._zpp_accumulators.get(name)
     if accumulator is None:
-        return layout.gather(shard)
+        return weight
     if not accumulator.sync:
-        return KeepGradLocal.apply(layout.gather(shard.detach()), accumulator.sink)
+        return KeepGradLocal.apply(weight, accumulator.sink)
     if accumulator.pending is not None and torch.is_grad_enabled():
-        return AddPendingGrad.apply(layout.gather(shard), accumulator.take_pending())
-    return layout.gather(shard)
+        return AddPendingGrad.apply(weight, accumulator.take_pending())
+    return weight
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .config import Config, ConfigError
-from .grad_sync import gathered_weight
+from .grad_sync import gather_local_shard, gathered_weight, local_shard
 from .initialization import MetaInit, accept_full_tensors, broadcast_buffers, children_first
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
@@ -47,10 +47,10 @@ class ParamLayout:
     reduce_dtype: torch.dtype
     sharding_id: int
 
-    def gather(self, shard: DTensor) -> torch.Tensor:
-        local = shard.to_local().reshape(-1)
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full parameter from this rank's part of its shard (`DTensor.to_local()`)."""
         flat = torch.ops.zpp.all_gather_param(
-            local, self.shard_size, self.group_size, self.group_name, self.dtype, self.reduce_dtype,
+            local.reshape(-1), self.shard_size, self.group_size, self.group_name, self.dtype, self.reduce_dtype,
             self.sharding_id,
         )
         return flat[: self.shape.numel()].view(self.shape)
@@ -303,18 +303,24 @@ def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     compile region, which the backend puts back into the step's graph (where bucketing, reshard
     after forward and the schedule act on them), and its compute runs in another, which stays a
     region shared by identical layers."""
-    weights = _gather_layer(layer)
+    shards = [local_shard(module, name) for module, names in _holders(layer) for name in names]
+    weights = _gather_layer(layer, *shards)
     layout, values = _flatten_call(args, kwargs)
     return _layer_compute(layer, len(args), layout, *weights, *values)
 
 
+def _holders(layer: nn.Module) -> tuple[tuple[nn.Module, tuple[str, ...]], ...]:
+    """The modules of `layer` that hold shards, each with its sharded parameters' names."""
+    return tuple((layer.get_submodule(path), names) for path, names in layer._zpp_region_holders)
+
+
 @_compile_region
-def _gather_layer(layer: nn.Module) -> tuple[torch.Tensor, ...]:
-    """`layer`'s parameters gathered, in `_zpp_region_holders` order. A region only so that Dynamo
-    traces the gathers once for identical layers; the backend inlines it (`backend._inline_gathers`)."""
-    return tuple(
-        gathered_weight(layer.get_submodule(path), name) for path, names in layer._zpp_region_holders for name in names
-    )
+def _gather_layer(layer: nn.Module, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`layer`'s parameters gathered from this rank's parts of their shards (plain tensors, which
+    any torch's regions take), in `_holders` order. A region only so that Dynamo traces the gathers
+    once for identical layers; the backend inlines it (`backend._inline_gathers`)."""
+    names = [(module, name) for module, module_names in _holders(layer) for name in module_names]
+    return tuple(gather_local_shard(module, name, local) for (module, name), local in zip(names, shards))
 
 
 def _flatten_call(args: tuple, kwargs: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -357,7 +363,7 @@ def _layer_compute(layer: nn.Module, positional: int, layout: str, *values: Any)
     `_reparametrize_module` (torch.func.functional_call's, which Dynamo knows to restore; the
     public function would call the layer's hooks a second time), and the modules' gathering
     properties return them. Run eagerly it is a plain call."""
-    holders = tuple((layer.get_submodule(path), names) for path, names in layer._zpp_region_holders)
+    holders = _holders(layer)
     count = sum(len(names) for _, names in holders)
     args, kwargs = _unflatten_call(positional, layout, values[count:])
     return _compute_with(layer, holders, values[:count], args, kwargs)
