@@ -15,7 +15,8 @@ from distributed import device, run_ranks
 from models import batches
 from test_composability import no_sync_run
 from zpp_compile.backend import zeropp_backend
-from zpp_compile.config import ConfigError
+from zpp_compile import config as config_module
+from zpp_compile.config import ConfigError, regions_reuse_traces
 from zpp_compile.sharding import _flatten_call, _unflatten_call
 
 LAYERS = 3
@@ -121,19 +122,53 @@ def numbered_layers_run(rank: int, world_size: int) -> None:
                                    msg=lambda m: f"{name}: {m}")
 
 
+def same_collectives_run(rank: int, world_size: int) -> None:
+    """All three techniques, 2 ranks as 2 nodes: the step runs the same collectives with and
+    without regions (each layer's gathers keep to that layer's bucket) and reports the same hpZ
+    copy (the regions' bodies, which hold no collectives, are left out of the ledger)."""
+    transformers = pytest.importorskip("transformers")
+    tokens = batches(1, world_size, PER_RANK, vocab=VOCAB)[0][0].to(device())
+    mine = tokens[rank * PER_RANK:(rank + 1) * PER_RANK]
+    reports = []
+    for once in (False, True):
+        config = zpp.Config(compile_layers_once=once, quantized_weights=True, weight_block_size=32,
+                            hpz_partition_size=1, quantized_gradients=True, gradient_block_size=32, ranks_per_node=1)
+        model = zpp.shard(llama(transformers), config)
+        zpp.reset_comm_report()
+        torch.compile(model, backend="zeropp", options={"inductor": False})(input_ids=mine, labels=mine).loss.backward()
+        report = zpp.comm_report()
+        rows = sorted((row.phase, row.op, row.dtype, row.intra_bytes, row.inter_bytes) for row in report.rows)
+        reports.append((rows, report.secondary_bytes))
+    assert reports[0][1] > 0
+    assert reports[1] == reports[0]
+
+
 def compile_once_runs(rank: int, world_size: int) -> None:
     compile_once_run(rank, world_size)
     numbered_layers_run(rank, world_size)
+    same_collectives_run(rank, world_size)
     # Gradient accumulation without sync: the gathers in the layers' regions keep or add the
     # gradients, as inline ones do.
     zpp.reset_comm_report()  # no_sync_run reads the graphs of its own model
     no_sync_run(rank, world_size, compiled=True, config=zpp.Config(compile_layers_once=True))
 
 
+needs_region_reuse = pytest.mark.skipif(not regions_reuse_traces(), reason="this torch's regions trace every call")
+
+
+@needs_region_reuse
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
     run_ranks(compile_once_runs, 2)
 
 
+def test_a_torch_whose_regions_trace_every_call_is_refused(monkeypatch):
+    monkeypatch.setattr(config_module, "regions_reuse_traces", lambda: False)
+    with pytest.raises(ConfigError, match="compile_layers_once=True needs a torch whose .* traces a region once"):
+        zpp.Config(compile_layers_once=True)
+    zpp.Config(compile_layers_once=False)
+
+
+@needs_region_reuse
 def test_activation_checkpointing_is_refused_with_layers_compiled_once():
     # Checkpointing would silently keep every activation: the layers are partitioned in their regions.
     with pytest.raises(ConfigError, match="compile_layers_once=True does not combine with activation_checkpointing"):

@@ -23,7 +23,8 @@ def test_every_pass_is_logged_and_traced(caplog, monkeypatch):
     traced = []
     monkeypatch.setattr(pass_manager, "trace_structured",
                         lambda kind, metadata_fn, payload_fn: traced.append((kind, metadata_fn(), payload_fn())))
-    graph = fx.symbolic_trace(lambda x: torch.relu(x) + 1).graph
+    # One of zeropp's ops, as any graph of a sharded model has.
+    graph = fx.symbolic_trace(lambda x: torch.ops.zpp.quantize_weight.default(torch.relu(x) + 1, 32)).graph
     manager = PassManager(zpp.Config(), one_rank(), "g5")
     with caplog.at_level(logging.DEBUG, logger="zpp_compile.pass_manager"):
         manager.run("lowering", graph)
@@ -34,3 +35,14 @@ def test_every_pass_is_logged_and_traced(caplog, monkeypatch):
     assert [tuple(r.getMessage().split(",")[0].split(": ")) for r in ours] == ran
     assert [meta["name"] for _, meta, _ in traced] == [f"zeropp_{graph}_{name}" for graph, name in ran]
     assert all(kind == "artifact" and "relu" in code for kind, _, code in traced)
+
+
+def test_a_graph_without_zeropp_ops_is_left_alone():
+    # As the body of a layer compiled once (Config.compile_layers_once), which Inductor compiles on its own.
+    graph = fx.symbolic_trace(lambda x: torch.relu(x) + 1).graph
+    code = graph.python_code("self").src
+    manager = PassManager(zpp.Config(quantized_weights=True, quantized_gradients=True), one_rank(), "g5")
+    manager.run("joint", graph)
+    manager.run("lowering", graph)
+    assert graph.python_code("self").src == code
+    assert manager.graphs == [] and not manager.joint_done and manager.secondary_bytes == 0

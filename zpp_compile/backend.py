@@ -181,6 +181,12 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node) -> None:
             setattr(gm, name, getattr(body, attr.target))
             copies[attr] = gm.graph.get_attr(name)
         outputs = gm.graph.graph_copy(body.graph, copies)
+    # The body was traced for one layer and serves all: each copy belongs to the calling layer.
+    stack = call.meta.get("nn_module_stack")
+    for node in body.graph.nodes:
+        copy = copies.get(node)
+        if stack is not None and isinstance(copy, fx.Node) and node.op == "call_function":
+            copy.meta["nn_module_stack"] = stack
     for user in list(call.users):
         if user.op == "call_function" and user.target is operator.getitem:
             user.replace_all_uses_with(outputs[user.args[1]])

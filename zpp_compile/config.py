@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import json
 import math
 import os
@@ -57,6 +58,12 @@ _MAX_TIMEOUT_S = 365 * 24 * 3600.0
 # graph is compiled and may be overridden per compilation.
 SHARD_FIELDS = ("hpz_partition_size", "ranks_per_node", "param_dtype", "reduce_dtype", "collective_timeout_s",
                 "compile_layers_once")
+
+
+def regions_reuse_traces() -> bool:
+    """Whether this torch's nested compile regions reuse one trace for identical calls (the torch
+    versions that do cap those reuses with `max_reuse_entries`)."""
+    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
 
 
 class ConfigError(ValueError):
@@ -171,6 +178,13 @@ class Config:
                 f"Config.compile_layers_once=True does not combine with activation_checkpointing="
                 f"{self.activation_checkpointing!r}: each layer's compute is partitioned inside its compile region, "
                 "which the checkpointing pass does not reach, so activations would be kept; drop one of the two"
+            )
+        if self.compile_layers_once and not regions_reuse_traces():
+            raise ConfigError(
+                f"Config.compile_layers_once=True needs a torch whose torch.compiler.nested_compile_region traces a "
+                f"region once and reuses that trace for identical layers (torch 2.13 or later); torch "
+                f"{torch.__version__} traces every call, which makes compilation slower, not faster; upgrade torch "
+                "or drop compile_layers_once"
             )
         if self.cuda_graphs and not self.inductor:
             raise ConfigError("Config.cuda_graphs=True needs Inductor; drop inductor=False or cuda_graphs=True")

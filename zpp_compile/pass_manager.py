@@ -41,6 +41,10 @@ def _naming_pass_on_oom(pass_name: str, graph_name: str) -> Iterator[None]:
         ) from error
 
 
+def _is_zeropp_op(target: object) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "zpp"
+
+
 class PassManager:
     """The passes for one Dynamo graph (named `graph_id`), applied stage by stage: zeropp's own
     (`PASSES`) unless the backend was given others."""
@@ -62,8 +66,12 @@ class PassManager:
         """Runs every enabled pass of `stage`; after lowering, records the graph's collectives.
 
         A graph compiled without a joint stage (inference, under no_grad) gets the joint passes
-        first, so bucketing and the other joint rewrites apply to it as well.
+        first, so bucketing and the other joint rewrites apply to it as well. A graph without
+        zeropp's ops, the body of a layer compiled once (`Config.compile_layers_once`), is left as
+        it is: the step's graph holds that layer's collectives.
         """
+        if not any(node.op == "call_function" and _is_zeropp_op(node.target) for node in graph.nodes):
+            return
         if stage == "lowering" and not self.joint_done:
             self.run("joint", graph)
         self.joint_done = self.joint_done or stage == "joint"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -26,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, regions_reuse_traces
 from .grad_sync import gather_local_shard, gathered_weight, local_shard
 from .initialization import MetaInit, accept_full_tensors, broadcast_buffers, children_first
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
@@ -292,10 +291,12 @@ _REGION_TRACES = 1024
 
 
 def _compile_region(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` as a nested compile region, with room for a trace per layer where torch caps them."""
-    if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters:
-        return torch.compiler.nested_compile_region(max_reuse_entries=_REGION_TRACES)(fn)
-    return torch.compiler.nested_compile_region(fn)
+    """`fn` as a nested compile region, with room for a trace per layer; `fn` itself on torch
+    versions without region reuse, where Config refuses compile_layers_once (so this module still
+    imports there)."""
+    if not regions_reuse_traces():
+        return fn
+    return torch.compiler.nested_compile_region(max_reuse_entries=_REGION_TRACES)(fn)
 
 
 def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
