@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch._dynamo.utils import compile_times
 
 import zpp_compile as zpp
@@ -143,9 +144,38 @@ def same_collectives_run(rank: int, world_size: int) -> None:
     assert reports[1] == reports[0]
 
 
+class CheckpointingLayer(nn.Module):
+    """A layer that checkpoints part of its own forward: its region's body holds a region of its own."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(lambda y: torch.relu(self.fc1(y)), x, use_reentrant=False)
+        return x + self.fc2(hidden)
+
+
+def checkpointing_layers_run(rank: int, world_size: int) -> None:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(CheckpointingLayer(8) for _ in range(3))).to(device())
+
+    x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(2)).to(device())
+    reference = build()
+    reference(x).pow(2).mean().backward()
+    model = zpp.shard(build(), zpp.Config(compile_layers_once=True))
+    mine = x[rank * 2:(rank + 1) * 2]
+    torch.compile(model, backend="zeropp", options={"inductor": False})(mine).pow(2).mean().backward()
+    for name, grad in sharded_grads(model).items():
+        torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def compile_once_runs(rank: int, world_size: int) -> None:
     compile_once_run(rank, world_size)
     numbered_layers_run(rank, world_size)
+    checkpointing_layers_run(rank, world_size)
     same_collectives_run(rank, world_size)
     # Gradient accumulation without sync: the gathers in the layers' regions keep or add the
     # gradients, as inline ones do.

@@ -162,11 +162,16 @@ def _inline_gathers(gm: fx.GraphModule) -> None:
         node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
         if getattr(gm, node.args[0].target).graph.find_nodes(op="call_function", target=torch.ops.zpp.all_gather_param)
     ]
+    bodies = {call.args[0].target for call in calls}
     for call in calls:
         _inline_call(gm, call)
     if calls:
         gm.graph.eliminate_dead_code()
-        gm.delete_all_unused_submodules()
+        # Only the inlined bodies go: the other regions' bodies hold submodules of their own (e.g.
+        # a checkpointed function's), which the step's graph does not name.
+        for body in bodies:
+            if not gm.graph.find_nodes(op="get_attr", target=body):
+                delattr(gm, body)
         gm.recompile()
 
 
