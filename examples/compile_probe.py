@@ -14,7 +14,7 @@ scheduling and code generation, and the compilation of the generated code (C++ /
     python examples/compile_probe.py --shape llama-3b --nproc 1 --seq 2048 --batch 2 --dtype bf16
 
 Variants: `fsdp2` (`fully_shard` on every decoder layer and the root, then `torch.compile(model)`),
-`zero3` (zeropp, plain ZeRO-3), `zero3-regions` (the same with `Config.compile_layers_once`: one
+`zero3` (zeropp, plain ZeRO-3), `zero3-regions` (the same with `Config.compile_layers_once`, torch 2.13+: one
 compile region for every identical layer), `all3` (zeropp with qwZ, hpZ and qgZ). `--profile DIR` writes a
 cProfile of rank 0's first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof` and the
 top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.

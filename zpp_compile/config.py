@@ -53,9 +53,8 @@ _MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 # Fields `shard()` acts on: they fix the shards' gathers and reductions (param_dtype, reduce_dtype),
 # the process groups (hpz_partition_size, ranks_per_node, collective_timeout_s) or the layers'
-# forward (compile_layers_once), so
-# torch.compile's options may repeat them but not change them. Every other field is read when a
-# graph is compiled and may be overridden per compilation.
+# forward (compile_layers_once), so torch.compile's options may repeat them but not change them.
+# Every other field is read when a graph is compiled and may be overridden per compilation.
 SHARD_FIELDS = ("hpz_partition_size", "ranks_per_node", "param_dtype", "reduce_dtype", "collective_timeout_s",
                 "compile_layers_once")
 
