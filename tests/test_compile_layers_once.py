@@ -4,6 +4,7 @@ weights gathered outside it, with the unsharded model's gradients and backward's
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 import pytest
 import torch
@@ -106,13 +107,13 @@ class NumberedLayer(nn.Module):
         return x + self.fc(x) / (self.number + 1)
 
 
-def numbered_layers_run(rank: int, world_size: int) -> None:
-    """More layers of distinct traces than torch's default cap on a region's traces (8)."""
+def stack_matches_unsharded_run(rank: int, world_size: int, layers: Callable[[], list[nn.Module]], seed: int) -> None:
+    """A stack of `layers()` compiled once per layer gives the unsharded stack's gradients."""
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(*(NumberedLayer(8, number) for number in range(12))).to(device())
+        return nn.Sequential(*layers()).to(device())
 
-    x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(1)).to(device())
+    x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(seed)).to(device())
     reference = build()
     reference(x).pow(2).mean().backward()
     model = zpp.shard(build(), zpp.Config(compile_layers_once=True))
@@ -121,6 +122,11 @@ def numbered_layers_run(rank: int, world_size: int) -> None:
     for name, grad in sharded_grads(model).items():
         torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def numbered_layers_run(rank: int, world_size: int) -> None:
+    """More layers of distinct traces than torch's default cap on a region's traces (8)."""
+    stack_matches_unsharded_run(rank, world_size, lambda: [NumberedLayer(8, number) for number in range(12)], seed=1)
 
 
 def same_collectives_run(rank: int, world_size: int) -> None:
@@ -157,19 +163,7 @@ class CheckpointingLayer(nn.Module):
 
 
 def checkpointing_layers_run(rank: int, world_size: int) -> None:
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(*(CheckpointingLayer(8) for _ in range(3))).to(device())
-
-    x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(2)).to(device())
-    reference = build()
-    reference(x).pow(2).mean().backward()
-    model = zpp.shard(build(), zpp.Config(compile_layers_once=True))
-    mine = x[rank * 2:(rank + 1) * 2]
-    torch.compile(model, backend="zeropp", options={"inductor": False})(mine).pow(2).mean().backward()
-    for name, grad in sharded_grads(model).items():
-        torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+    stack_matches_unsharded_run(rank, world_size, lambda: [CheckpointingLayer(8) for _ in range(3)], seed=2)
 
 
 def compile_once_runs(rank: int, world_size: int) -> None:
