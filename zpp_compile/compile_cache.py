@@ -10,6 +10,11 @@ graph and that uuid, and entered into the ledger again on a hit.
 The record holds a random token that is part of the uuid, so an entry of Inductor's cache is only
 hit by a process that holds the record written with it: a deleted record, or an entry of a remote
 cache, gives a miss (the passes run and write a new record), never a ledger without the graph.
+Jobs that share the cache directory compile at the same time: one may read the record while another
+is still compiling under its token, and then be served graphs the record did not yet hold. So the
+record is read again when the served graphs are entered in the ledger, and a save adds to the
+entries already recorded instead of replacing them (every entry of one record describes the same
+graph, whichever job compiled it), so no entry an Inductor cache hit may need is ever dropped.
 
 With a dump directory the graphs bypass the caches: the per-pass dump needs every pass to run.
 """
@@ -131,7 +136,6 @@ class PassCache:
 
     uuid: str  # what zeropp's custom-pass hooks give Inductor as their uuid()
     path: Path  # the record
-    stored: list[dict[str, Any]]  # the ledger entries the record holds, graph names without the graph id
 
     @classmethod
     def open(cls, manager: PassManager, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -146,21 +150,29 @@ class PassCache:
         path = Path(cache_dir()) / "zeropp" / f"{record_name}.json"
         record = _read_record(path)
         token = record["token"] if record else secrets.token_hex(8)
-        return cls(f"zeropp-{key}-{token}", path, record["graphs"] if record else [])
+        return cls(f"zeropp-{key}-{token}", path)
 
     def save(self, graphs: list[GraphComm]) -> None:
-        """Writes the record (atomically: ranks and jobs may share the cache directory)."""
+        """Adds `graphs` to the record under this compilation's token, keeping the recorded graphs of
+        other kinds (written atomically: ranks and jobs may share the cache directory)."""
         token = self.uuid.rsplit("-", 1)[1]
-        entries = [{**g.to_dict(), "graph": g.kind} for g in graphs]
+        mine = [{**g.to_dict(), "graph": g.kind} for g in graphs]
+        kinds = {entry["kind"] for entry in mine}
+        entries = [entry for entry in self.stored() if entry["kind"] not in kinds] + mine
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as f:
             json.dump({"token": token, "graphs": entries}, f)
         os.replace(f.name, self.path)
 
+    def stored(self) -> list[dict[str, Any]]:
+        """The ledger entries the record holds now, graph names without the graph id."""
+        record = _read_record(self.path)
+        return record["graphs"] if record else []
+
     def restore(self, manager: PassManager) -> None:
         """Enters the recorded graphs the passes did not produce (Inductor served them) in the ledger."""
         produced = {g.kind for g in manager.graphs}
-        for entry in self.stored:
+        for entry in self.stored():
             if entry["kind"] not in produced:
                 comm = GraphComm.from_dict({**entry, "graph": f"{manager.graph_id}.{entry['kind']}",
                                             "frame": manager.frame})
