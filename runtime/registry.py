@@ -52,5 +52,16 @@ class Registry:
         self.states.append(state)
         return len(self.states) - 1
 
+    def reusable_id(self, state: ShardingState) -> int | None:
+        """The sharding id of a state equal to `state` whose model is gone, if there is one."""
+        live = {id(known) for known in self.models.values()}
+        return next((i for i, known in enumerate(self.states) if known == state and id(known) not in live), None)
+
+    def take_back(self, sharding_id: int) -> ShardingState:
+        """Gives a gone model's sharding id, and its state, to a new model with an equal state; the
+        gone model's graphs leave the ledger (they would count twice in the new model's report)."""
+        self.ledger[:] = [g for g in self.ledger if g.model is None or g.model.sharding_id != sharding_id]
+        return self.states[sharding_id]
+
 
 REGISTRY = Registry()

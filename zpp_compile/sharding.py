@@ -14,6 +14,7 @@ torch.compile partitions and compiles once for every identical layer.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import math
 from dataclasses import dataclass
@@ -84,8 +85,7 @@ def shard(
     padded_numel = sum(_padded_numel(p, topology.world.size) for p in model.parameters())
     layers = _layers(model)
     layer_nbytes = max(_gathered_nbytes(layer, config, topology.world.size) for layer in layers.values())
-    state = ShardingState(config, topology, padded_numel, tuple(layers), layer_nbytes)
-    sharding_id = REGISTRY.add_state(state)
+    sharding_id, state = _register(ShardingState(config, topology, padded_numel, tuple(layers), layer_nbytes))
     sharded: dict[int, nn.Parameter] = {}
     for _, module in children_first(model):
         initialized = meta_init.materialize(module, topology.device)
@@ -196,6 +196,21 @@ def _check_same_on_every_rank(model: nn.Module, config: Config) -> None:
                 f"zpp_compile.shard got a different model on rank {rank} than on rank 0 (parameter names, "
                 "shapes, dtypes or meta device differ); every rank must build the same model before sharding it"
             )
+
+
+def _register(state: ShardingState) -> tuple[int, ShardingState]:
+    """The sharding id for a model of `state`, and the state it is registered under. A model gone
+    since (deleted) whose state equals it gives back its id, so that the new model's Dynamo graphs
+    are the gone one's and Inductor's caches serve them in the same process too (a model built again
+    from scratch, as a benchmark or a sweep does); else a new id. The ranks decide together, so that
+    ids stay equal across ranks. A collective call."""
+    gc.collect()  # a deleted model that only reference cycles held is gone on every rank alike
+    reusable = REGISTRY.reusable_id(state)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, reusable)
+    if reusable is not None and len(set(everyone)) == 1:
+        return reusable, REGISTRY.take_back(reusable)
+    return REGISTRY.add_state(state), state
 
 
 def _topology(config: Config) -> Topology:
