@@ -19,9 +19,11 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import zpp_compile as zpp
+from zpp_compile import compile_cache
 from zpp_compile.compile_cache import PassCache, passes_key, to_local_as_method
 from zpp_compile.pass_manager import PassManager
-from zpp_compile.ledger import CommReport, GraphComm
+from zpp_compile.ledger import CommReport, GraphComm, ShardedModel
+from zpp_compile.runtime.registry import Registry, ShardingState
 from zpp_compile.runtime.topology import Group, Topology
 from distributed import device, run_ranks
 
@@ -141,6 +143,42 @@ def test_a_dump_bypasses_the_cache_and_reports_what_a_cache_hit_does(launches):
         assert without_ids(from_files) == without_ids(second[rank]["m1"]["graphs"])
 
 
+def sharding_id(model: nn.Module) -> int:
+    return next(i for i, state in enumerate(zpp.REGISTRY.states) if state is zpp.REGISTRY.models[model])
+
+
+def shard_again(rank: int, world_size: int) -> dict:
+    """Trains a model, deletes it, and trains the same model built and sharded again in the same
+    process; a twin sharded alongside stays alive, and a model of another config comes after."""
+    first = zpp.shard(mlp().to(device()), ALL_THREE)
+    twin = zpp.shard(mlp().to(device()), ALL_THREE)
+    ids = {"first": sharding_id(first), "twin": sharding_id(twin)}
+    before = train(first, {}, rank)
+    del first
+    torch._dynamo.reset()  # as between a benchmark's variants: Dynamo traces the new model afresh
+    again = zpp.shard(mlp().to(device()), ALL_THREE)
+    other = zpp.shard(mlp().to(device()), INT8_GRADIENTS)
+    ids.update(again=sharding_id(again), other=sharding_id(other))
+    after = train(again, {}, rank)
+    return {"ids": ids, "before": before, "after": after, "reported": zpp.comm_report(again).to_dict()}
+
+
+def test_a_model_sharded_again_in_the_same_process_takes_the_gone_ones_id_and_hits_the_cache(tmp_path):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        env.setenv("PYTHONHASHSEED", "0")
+        results = run_ranks(shard_again, 2)
+    for rank, result in enumerate(results):
+        ids, before, after = result["ids"], result["before"], result["after"]
+        # The gone model's id and graphs: served by the caches, with the same ledger and results.
+        assert ids["again"] == ids["first"] and len({ids["first"], ids["twin"], ids["other"]}) == 3, ids
+        assert after["counters"] == {"autograd_cache_hit": 1, "fxgraph_cache_hit": 2}, after["counters"]
+        assert without_ids(after["graphs"]) == without_ids(before["graphs"])
+        assert after["losses"] == before["losses"] and after["params"] == before["params"]
+        # The new model's report counts its own step once, not the gone model's too.
+        assert result["reported"]["inter_bytes"] == CommReport.from_graphs(before["graphs"]).inter_bytes > 0
+
+
 def topology(rank: int = 0, world: int = 4, ranks_per_node: int = 2, hpz: int = 0) -> Topology:
     def group(name: str, ranks: range) -> Group:
         return Group(name, tuple(ranks))
@@ -184,6 +222,44 @@ def test_a_restored_entry_gives_way_to_the_graph_compiled_after_all():
     assert [g.secondary_bytes for g in zpp.REGISTRY.ledger[start:]] == [0, 5, 0]
     assert manager.graphs == zpp.REGISTRY.ledger[start:]
     del zpp.REGISTRY.ledger[start:]
+
+
+def test_a_gone_models_id_is_taken_back_only_by_an_equal_state_and_with_its_graphs_gone():
+    registry = Registry()
+    state = ShardingState(zpp.Config(), topology(), 64, ("0",), 256)
+    gone, other = registry.add_state(state), registry.add_state(dataclasses.replace(state, padded_numel=32))
+    assert registry.reusable_id(dataclasses.replace(state, layer_nbytes=128)) is None  # no equal state
+    live = nn.Linear(1, 1)
+    registry.models[live] = registry.states[other]
+    assert registry.reusable_id(dataclasses.replace(state, padded_numel=32)) is None  # its model lives
+    assert registry.reusable_id(ShardingState(zpp.Config(), topology(), 64, ("0",), 256)) == gone
+    registry.ledger[:] = [GraphComm(f"g{i}.forward", "forward", (), 0, ShardedModel(i, 64, 4, 2))
+                          for i in (gone, other)]
+    assert registry.take_back(gone) is state
+    assert [g.graph_name for g in registry.ledger] == [f"g{other}.forward"]
+
+
+def test_a_job_served_graphs_that_another_job_compiled_meanwhile_enters_them_all(tmp_path, monkeypatch):
+    # Two jobs share the cache directory. Job A compiles under a new token and records its forward;
+    # job B opens the record then (A's token, the forward alone); A then records its backward, whose
+    # compiled code Inductor serves B: B's ledger must hold both graphs.
+    monkeypatch.setattr(compile_cache, "cache_dir", lambda: str(tmp_path))
+    graph = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    job_a, job_b = (PassManager(zpp.Config(), topology(), graph_id) for graph_id in ("g1", "g4"))
+    forward, backward = GraphComm("g1.forward", "forward", (), 7), GraphComm("g1.backward", "backward", ())
+    a = PassCache.open(job_a, graph, [], {})
+    a.save([forward])
+    b = PassCache.open(job_b, graph, [], {})
+    assert b.uuid == a.uuid and b.path == a.path
+    a.save([forward, backward])
+    start = len(zpp.REGISTRY.ledger)
+    b.restore(job_b)
+    assert [(g.graph_name, g.secondary_bytes) for g in job_b.graphs] == [("g4.forward", 7), ("g4.backward", 0)]
+    del zpp.REGISTRY.ledger[start:]
+    # A third job that compiled the forward alone adds to the record; the backward stays.
+    c = dataclasses.replace(a, uuid=a.uuid.rsplit("-", 1)[0] + "-0123456789abcdef")
+    c.save([forward])
+    assert sorted(entry["kind"] for entry in json.loads(a.path.read_text())["graphs"]) == ["backward", "forward"]
 
 
 def _closure_as_dynamo_records_to_local(*args: Any, **kwargs: Any) -> Callable[[Any], Any]:
