@@ -7,6 +7,11 @@ seed by seed, so that the gap is told apart from run-to-run noise.
     torchrun --nproc_per_node=2 examples/convergence.py --seeds 0,1 --steps 20 --dim 64 --layers 2 \
         --heads 2 --seq 64 --batch 2 --variants zero3,all3                # CPU, a minute
 
+A study is long: --json is rewritten after every finished run, and --resume FILE ... reads the runs
+of earlier launches (with the same settings) and trains only the missing ones. So a stopped study
+goes on where it stopped, and launches of a part each (say one variant, all seeds, on their own
+GPUs) are merged by one last launch that resumes from all their files and has nothing left to train.
+
 Models: "gpt", the byte-level GPT of examples/gpt.py (d=384, 6 layers by default); "llama", HF
 transformers' LlamaForCausalLM from a config (RMSNorm, SwiGLU, RoPE, grouped-query attention) over
 the 256 byte values, by default width 768, 16 layers, 12 heads of which 4 key/value, MLP 2048, tied
@@ -14,8 +19,8 @@ embeddings: about 100M parameters. Variants: zero3 (plain ZeRO-3), qwz, qgz (its
 inside a node, INT4 across), all3 (qwZ + hpZ + qgZ), qgz_int4 (qgZ with INT4 on both hops).
 
 Every run trains from its seed's initial weights with AdamW (linear warmup, cosine decay to 10%),
-gradient clipping at 1.0, bf16 compute and Inductor on GPUs (fp32 and debug mode, no Inductor, on
-CPU). The loss of a step is the mean over all ranks. A run's final loss is the mean of its last 50
+gradient clipping at 1.0, bf16 compute, Inductor and fused AdamW on GPUs (fp32 and debug mode, no
+Inductor, on CPU). The loss of a step is the mean over all ranks. A run's final loss is the mean of its last 50
 steps (--final-window); its held-out loss is the mean over --val-batches batches from the last 10%
 of the bytes, which training never reads. Per variant: mean and standard deviation over seeds, and
 the gap to plain ZeRO-3 with a 95% interval from the per-seed (paired) differences (Student's t
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from typing import Any
@@ -60,7 +66,8 @@ def variants(names: list[str], hpz_size: int) -> dict[str, dict[str, Any]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("gpt", "llama"), default="gpt")
-    p.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"comma-separated subset of {VARIANT_NAMES}")
+    p.add_argument("--variants", default=",".join(VARIANT_NAMES),
+                   help=f"comma-separated subset of {VARIANT_NAMES}; gaps need zero3's runs (here or resumed)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every variant runs from each")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--dim", type=int, help="width (gpt 384, llama 768)")
@@ -76,8 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-batches", type=int, default=16, help="held-out batches per rank")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient reduce dtype")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
-    p.add_argument("--data-bytes", type=int, default=8_000_000)
-    p.add_argument("--json", help="write every run's losses and the summary here (rank 0)")
+    p.add_argument("--data-bytes", type=int, default=30_000_000,
+                   help="bytes of standard-library source, the last 10%% held out (default: about all of it, so "
+                        "that 2000 steps of 2 x 16 x 256 bytes read most training bytes once and the held-out "
+                        "loss measures generalization, not memorization)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay each compiled step as a CUDA graph (Config.cuda_graphs; GPUs): less host time")
+    p.add_argument("--json", help="write every run's losses and the summary here, after every run (rank 0)")
+    p.add_argument("--resume", nargs="+", default=[], metavar="FILE",
+                   help="--json files of earlier launches of this study: their runs are kept, not trained again")
     p.add_argument("--png", help="write the loss curves here, seed spread shaded (rank 0; needs matplotlib)")
     args = p.parse_args(argv)
     args.final_window = args.final_window or min(50, args.steps)
@@ -85,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--final-window {args.final_window} is longer than --steps {args.steps}")
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(args.variants) - set(VARIANT_NAMES))
-    if unknown or "zero3" not in args.variants:
-        p.error(f"--variants must name zero3 (the reference) and only {VARIANT_NAMES}; got {unknown or args.variants}")
+    if unknown or not args.variants:
+        p.error(f"--variants takes names from {VARIANT_NAMES}; got {unknown or args.variants}")
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
@@ -136,12 +150,12 @@ def train(options: dict[str, Any], seed: int, args: argparse.Namespace, device: 
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = device.type == "cuda"
     config = zpp.Config(param_dtype="bf16" if on_gpu else None, reduce_dtype=args.reduce_dtype,
-                        ranks_per_node=args.ranks_per_node, inductor=on_gpu, **options)
+                        ranks_per_node=args.ranks_per_node, inductor=on_gpu, cuda_graphs=args.cuda_graphs, **options)
     torch.manual_seed(seed)
     with device:
         model = zpp.shard(build_model(args), config)
     step_model = torch.compile(model, backend="zeropp")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), fused=on_gpu)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.warmup, args.steps))
     losses = torch.zeros(args.steps, device=device, dtype=torch.float64)
     for step in range(args.steps):
@@ -188,21 +202,63 @@ def interval(differences: list[float]) -> tuple[float, float, float]:
 
 def summarize(runs: dict[str, list[dict[str, Any]]], window: int) -> dict[str, dict[str, Any]]:
     """Per variant: mean and standard deviation over seeds of the final and held-out losses, and the
-    paired gap to zero3 with its 95% interval. `runs[variant]` lists one run per seed, same order."""
+    gap to zero3 with its 95% interval, paired by seed (over the seeds both have; none without
+    zero3's runs). `runs[variant]` lists one run per seed, each naming its "seed"."""
     def final(run: dict[str, Any]) -> float:
         return statistics.fmean(run["losses"][-window:])
 
+    reference = {run["seed"]: run for run in runs.get("zero3", [])}
     out = {}
     for name, seeded in runs.items():
-        row: dict[str, Any] = {}
+        row: dict[str, Any] = {"seeds": [run["seed"] for run in seeded]}
+        paired = [run for run in seeded if run["seed"] in reference]
         for measure, value in (("final", final), ("val", lambda run: run["val_loss"])):
             values = [value(run) for run in seeded]
             row[f"{measure}_mean"] = statistics.fmean(values)
             row[f"{measure}_std"] = statistics.stdev(values) if len(values) > 1 else math.nan
-            gaps = [v - value(ref) for v, ref in zip(values, runs["zero3"])]
-            row[f"{measure}_gap"], row[f"{measure}_gap_low"], row[f"{measure}_gap_high"] = interval(gaps)
+            gaps = [value(run) - value(reference[run["seed"]]) for run in paired]
+            row[f"{measure}_gap"], row[f"{measure}_gap_low"], row[f"{measure}_gap_high"] = (
+                interval(gaps) if gaps else (math.nan,) * 3)
         out[name] = row
     return out
+
+
+# What makes two launches' runs one study: the model, the data, the optimization and the topology.
+STUDY_SETTINGS = ("model", "dim", "layers", "heads", "kv_heads", "seq", "batch", "steps", "lr", "warmup",
+                  "val_batches", "reduce_dtype", "ranks_per_node", "data_bytes")
+
+
+def study_settings(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    return {**{key: getattr(args, key) for key in STUDY_SETTINGS}, "world": world}
+
+
+def resumed_runs(paths: list[str], settings: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The runs recorded in earlier launches' --json files, by (variant, seed); a file from a study
+    with other settings is an error that names them (its runs would not be comparable)."""
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in paths:
+        with open(path) as f:
+            recorded = json.load(f)
+        theirs = recorded.get("settings", {})
+        differ = {key: (theirs.get(key), value) for key, value in settings.items() if theirs.get(key) != value}
+        if differ:
+            raise ValueError(f"--resume {path}: recorded with other settings than this launch's "
+                             f"({', '.join(f'{k}: {a!r} there, {b!r} here' for k, (a, b) in differ.items())}); "
+                             "resume only from launches of the same study")
+        for name, seeded in recorded["runs"].items():
+            for run in seeded:
+                done[name, run["seed"]] = run
+    return done
+
+
+def ordered_runs(done: dict[tuple[str, int], dict[str, Any]], variant_order: list[str],
+                 seed_order: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """`done` as runs per variant, each variant's in seed order; variants and seeds named by this
+    launch first, in its order, then any others the resumed files hold."""
+    names = list(dict.fromkeys([*variant_order, *(name for name, _ in sorted(done))]))
+    seeds = list(dict.fromkeys([*seed_order, *sorted(seed for _, seed in done)]))
+    runs = {name: [done[name, seed] for seed in seeds if (name, seed) in done] for name in names}
+    return {name: seeded for name, seeded in runs.items() if seeded}
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], title: str, path: str) -> None:
@@ -214,22 +270,73 @@ def plot(runs: dict[str, list[dict[str, Any]]], title: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red")
-    for (name, seeded), color in zip(runs.items(), colors):
+    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(14, 5))
+    colors = dict(zip(VARIANT_NAMES, ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red")))
+    reference = {run["seed"]: run["losses"] for run in runs.get("zero3", [])}
+    for name, seeded in runs.items():
         losses = torch.tensor([run["losses"] for run in seeded])  # seeds x steps
-        window = max(1, min(25, losses.shape[1] // 10))
-        smooth = losses.unfold(1, window, 1).mean(2)  # moving average per seed, for the eye only
+        window = max(1, min(100, losses.shape[1] // 10))
         steps = range(window - 1, losses.shape[1])
-        ax.plot(steps, smooth.mean(0), color=color, linewidth=1, label=name)
-        ax.fill_between(steps, smooth.min(0).values, smooth.max(0).values, color=color, alpha=0.2, linewidth=0)
-    ax.set_xlabel("step")
+        shade(ax, steps, moving_average(losses, window), colors[name], name)
+        paired = [run for run in seeded if run["seed"] in reference]
+        if name != "zero3" and paired:
+            mine = torch.tensor([run["losses"] for run in paired])
+            gaps = mine - torch.tensor([reference[run["seed"]] for run in paired])
+            shade(gap_ax, steps, moving_average(gaps, window), colors[name], name)
     ax.set_ylabel("training loss (nats per byte), mean over seeds, range shaded")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
+    gap_ax.axhline(0.0, color="tab:gray", linewidth=0.8)
+    gap_ax.set_ylabel(f"variant - zero3, same seed, {window}-step moving average")
+    for axis in (ax, gap_ax):
+        axis.set_xlabel("step")
+        axis.legend()
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def moving_average(rows: torch.Tensor, window: int) -> torch.Tensor:
+    """Each row's mean over a sliding window (for the eye only: the table uses raw losses)."""
+    return rows.unfold(1, window, 1).mean(2)
+
+
+def shade(ax: Any, steps: range, rows: torch.Tensor, color: str, label: str) -> None:
+    """The mean over rows (seeds) as a line, their range shaded."""
+    ax.plot(steps, rows.mean(0), color=color, linewidth=1, label=label)
+    ax.fill_between(steps, rows.min(0).values, rows.max(0).values, color=color, alpha=0.2, linewidth=0)
+
+
+def study(args: argparse.Namespace, settings: dict[str, Any], done: dict[tuple[str, int], dict[str, Any]],
+          device: torch.device) -> dict[str, Any]:
+    """Every finished run (this launch's and resumed ones) with the summary over them."""
+    runs = ordered_runs(done, args.variants, args.seeds)
+    return {
+        "variants": summarize(runs, args.final_window), "seeds": sorted({seed for _, seed in done}),
+        "final_window": args.final_window, "settings": settings,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "command": " ".join(sys.argv),
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "png", "resume")}, "runs": runs,
+    }
+
+
+def write_json(path: str, content: dict[str, Any]) -> None:
+    """Writes `content` to a temporary file renamed over `path`: a launch stopped while writing leaves
+    the previous version whole."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(content, f, indent=1)
+    os.replace(partial, path)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(f"{len(summary['seeds'])} seeds; final = mean of the last {summary['final_window']} steps; "
+          "gap = variant - zero3, paired by seed, with its 95% interval")
+    print(f"{'variant':<9} {'seeds':>7} {'final':>15} {'final gap [95%]':>30} {'held-out':>15} "
+          f"{'held-out gap [95%]':>30}")
+    for name, row in summary["variants"].items():
+        cells = [f"{row[f'{m}_mean']:.4f} +- {row[f'{m}_std']:.4f}" for m in ("final", "val")]
+        gaps = [f"{row[f'{m}_gap']:+.4f} [{row[f'{m}_gap_low']:+.4f}, {row[f'{m}_gap_high']:+.4f}]"
+                if name != "zero3" else "(reference)" for m in ("final", "val")]
+        print(f"{name:<9} {len(row['seeds']):>7} {cells[0]:>15} {gaps[0]:>30} {cells[1]:>15} {gaps[1]:>30}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -242,35 +349,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     split = len(data) * 9 // 10
     train_bytes, val_bytes = data[:split], data[split:]
 
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
+    if args.cuda_graphs and device.type != "cuda":
+        raise SystemExit("--cuda-graphs needs GPUs (CUDA graphs); drop it on CPU")
+    settings = study_settings(args, world)
+    done = resumed_runs(args.resume, settings)
     for seed in args.seeds:
         for name, options in variants(args.variants, hpz).items():
+            if (name, seed) in done:
+                continue
             if rank == 0:
                 print(f"seed {seed}, {name}: {options or 'plain ZeRO-3'}", flush=True)
-            runs[name].append(train(options, seed, args, device, train_bytes, val_bytes))
-
-    table = summarize(runs, args.final_window)
-    summary = {
-        "variants": table, "seeds": args.seeds, "final_window": args.final_window, "world": world,
-        "ranks_per_node": args.ranks_per_node,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "command": " ".join(sys.argv),
-        "args": {k: v for k, v in vars(args).items() if k not in ("json", "png")},
-    }
+            done[name, seed] = train(options, seed, args, device, train_bytes, val_bytes)
+            if rank == 0 and args.json:  # a stopped study keeps what it finished
+                write_json(args.json, study(args, settings, done, device))
+    summary = study(args, settings, done, device)
     if rank == 0:
-        print(f"{len(args.seeds)} seeds; final = mean of the last {args.final_window} steps; gap = variant - zero3, "
-              "paired by seed, with its 95% interval")
-        print(f"{'variant':<9} {'final':>15} {'final gap [95%]':>30} {'held-out':>15} {'held-out gap [95%]':>30}")
-        for name, row in table.items():
-            cells = [f"{row[f'{m}_mean']:.4f} +- {row[f'{m}_std']:.4f}" for m in ("final", "val")]
-            gaps = [f"{row[f'{m}_gap']:+.4f} [{row[f'{m}_gap_low']:+.4f}, {row[f'{m}_gap_high']:+.4f}]"
-                    if name != "zero3" else "(reference)" for m in ("final", "val")]
-            print(f"{name:<9} {cells[0]:>15} {gaps[0]:>30} {cells[1]:>15} {gaps[1]:>30}")
+        print_summary(summary)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({**summary, "runs": runs}, f, indent=1)
+            write_json(args.json, summary)
         if args.png:
             shape = f"{args.model} d={args.dim} L={args.layers} T={args.seq}"
-            plot(runs, f"{shape}, {args.batch} seq x {world} ranks, {args.steps} steps, seeds {args.seeds}", args.png)
+            plot(summary["runs"], f"{shape}, {args.batch} seq x {world} ranks, {args.steps} steps, "
+                                  f"seeds {summary['seeds']}", args.png)
     zpp.release_cuda_graphs()  # with Config.cuda_graphs: a captured NCCL collective blocks the teardown
     dist.destroy_process_group()
     return summary

@@ -1,8 +1,10 @@
-"""The convergence study's statistics: per-seed paired gaps to plain ZeRO-3 and their 95% interval,
-checked against the t-interval worked out by hand."""
+"""The convergence study's statistics (per-seed paired gaps to plain ZeRO-3 and their 95% interval,
+checked against the t-interval worked out by hand), and how launches of parts of a study, or a
+stopped one, are resumed and merged."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-from convergence import interval, parse_args, summarize  # noqa: E402
+from convergence import interval, ordered_runs, parse_args, resumed_runs, study_settings, summarize  # noqa: E402
 
 
 def test_paired_gap_interval_is_students_t_over_the_seeds():
@@ -23,23 +25,46 @@ def test_paired_gap_interval_is_students_t_over_the_seeds():
     assert all(math.isnan(bound) for bound in interval([0.5])[1:])  # one seed: no interval
 
 
-def test_summary_pairs_each_variant_with_zero3_seed_by_seed():
-    def run(final: float, val: float) -> dict:
-        return {"losses": [9.0, final, final], "val_loss": val}
+def run(seed: int, final: float, val: float) -> dict:
+    return {"seed": seed, "losses": [9.0, final, final], "val_loss": val}
 
+
+def test_summary_pairs_each_variant_with_zero3_seed_by_seed():
     # The seeds differ by far more than the variant does; pairing cancels the seed offsets.
-    runs = {"zero3": [run(1.0, 2.0), run(1.5, 2.5), run(2.0, 3.0)],
-            "qgz": [run(1.01, 2.02), run(1.51, 2.52), run(2.01, 3.02)]}
+    runs = {"zero3": [run(0, 1.0, 2.0), run(1, 1.5, 2.5), run(2, 2.0, 3.0)],
+            "qgz": [run(0, 1.01, 2.02), run(1, 1.51, 2.52), run(2, 2.01, 3.02)]}
     table = summarize(runs, window=2)
     assert table["qgz"]["final_mean"] == pytest.approx(1.51)
     assert table["qgz"]["final_std"] == pytest.approx(0.5)
     assert table["qgz"]["final_gap"] == pytest.approx(0.01)
     assert table["qgz"]["final_gap_high"] - table["qgz"]["final_gap_low"] == pytest.approx(0.0, abs=1e-9)
     assert table["qgz"]["val_gap"] == pytest.approx(0.02)
+    # Pairs are made by seed, not by position; a seed without zero3's run gives no pair.
+    partial = summarize({"zero3": runs["zero3"][1:], "qgz": runs["qgz"]}, window=2)
+    assert partial["qgz"]["final_gap"] == pytest.approx(0.01) and partial["qgz"]["seeds"] == [0, 1, 2]
+    assert math.isnan(summarize({"qgz": runs["qgz"]}, window=2)["qgz"]["final_gap"])
 
 
-def test_variants_must_include_the_reference():
-    with pytest.raises(SystemExit):
-        parse_args(["--variants", "qgz,all3"])
-    args = parse_args(["--model", "llama", "--seeds", "0,1,2", "--variants", "zero3,qgz_int4"])
+def test_a_launch_may_run_any_part_of_the_study():
+    args = parse_args(["--model", "llama", "--seeds", "0,1,2", "--variants", "qgz_int4"])
     assert (args.seeds, args.dim, args.layers, args.heads, args.kv_heads) == ([0, 1, 2], 768, 16, 12, 4)
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "zero3,int2"])
+
+
+def test_launches_of_parts_are_merged_and_other_settings_refused(tmp_path):
+    args = parse_args(["--seeds", "0,1", "--steps", "20"])
+    settings = study_settings(args, world=2)
+    parts = {"zero3": [run(1, 1.5, 2.5), run(0, 1.0, 2.0)], "all3": [run(0, 1.01, 2.0)]}
+    paths = []
+    for name, seeded in parts.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"settings": settings, "runs": {name: seeded}}))
+    done = resumed_runs([str(p) for p in paths], settings)
+    assert sorted(done) == [("all3", 0), ("zero3", 0), ("zero3", 1)]
+    runs = ordered_runs(done, ["zero3", "qgz", "all3"], [0, 1])
+    assert {name: [r["seed"] for r in seeded] for name, seeded in runs.items()} == {"zero3": [0, 1], "all3": [0]}
+    with pytest.raises(ValueError, match="steps: 20 there, 30 here"):
+        resumed_runs([str(paths[0])], study_settings(parse_args(["--steps", "30"]), world=2))
+    with pytest.raises(ValueError, match="world: 2 there, 4 here"):
+        resumed_runs([str(paths[0])], study_settings(args, world=4))
