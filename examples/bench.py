@@ -83,6 +83,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -633,10 +634,15 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         "parameters": n_params,
         **comm_bytes(variant, shard_numel, world, ranks_per_node),
     }
-    if variant.system == "deepspeed" and hasattr(step_model, "destroy"):
-        step_model.destroy()  # its hooks and buffers, before the next variant is measured
+    if variant.system == "deepspeed":
+        release_deepspeed(step_model)
     step_model = model = optimize = None  # the variant's memory goes before the next one's
     release_memory(device)
+    if device.type == "cuda":
+        result["kept_after_release_bytes"] = kept = torch.cuda.memory_allocated() - leftover
+        if kept > 2**30 and dist.get_rank() == 0:
+            print(f"  {variant.name} left {kept / 2**30:.1f} GiB allocated after its release; the variants after it "
+                  f"run with that much less memory. What holds it:\n{describe_cuda_tensors()}", flush=True)
     return result
 
 
@@ -667,6 +673,18 @@ def comm_bytes(variant: Variant, shard_numel: int, world: int, ranks_per_node: i
             "total_ratio": ratio(intra + inter, baseline_intra + baseline_inter)}
 
 
+def release_deepspeed(engine: Any) -> None:
+    """Ends a DeepSpeed engine before the next variant is measured: `destroy()` (its hooks and
+    buffers), and what that leaves. DeepSpeed's ZeRO-3 pushes each engine's model on a module-level
+    stack (`deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`) that `destroy()` does not
+    pop, which keeps the model, and what it refers to, allocated in every later variant."""
+    engine.destroy()
+    offload = importlib.import_module("deepspeed.runtime.zero.parameter_offload")
+    stack = getattr(offload, "FWD_MODULE_STACK", None)
+    if stack is not None:
+        stack[:] = [module for module in stack if module is not engine.module]
+
+
 def release_memory(device: torch.device) -> None:
     """Frees the finished variant's compiled graphs and tensors before the next one is measured."""
     zpp.release_cuda_graphs()
@@ -674,6 +692,29 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def describe_cuda_tensors(count: int = 5) -> str:
+    """The largest live CUDA tensors, each with the types of the objects that refer to it (for a
+    dict, the object whose attributes it holds): where a released variant's memory is kept."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    tensors = sorted(live, key=lambda t: t.untyped_storage().nbytes(), reverse=True)[:count]
+    del live
+    lines = []
+    for t in tensors:
+        holders = []
+        for ref in gc.get_referrers(t):
+            if isinstance(ref, dict):
+                owners = [type(o).__qualname__ for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+                holders.append(f"dict of {owners[0]}" if owners else "dict")
+            elif ref is not tensors:
+                holders.append(type(ref).__qualname__)
+        lines.append(f"    {t.untyped_storage().nbytes() / 2**30:.2f} GiB {type(t).__name__} {tuple(t.shape)} "
+                     f"{t.dtype}, held by {sorted(set(holders))}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- comparing
