@@ -696,11 +696,13 @@ def release_memory(device: torch.device) -> None:
 
 def describe_cuda_tensors(count: int = 5) -> str:
     """The largest live CUDA tensors, each with the types of the objects that refer to it (for a
-    dict, the object whose attributes it holds): where a released variant's memory is kept."""
+    dict, the object whose attributes it holds): where a released variant's memory is kept. Plain
+    tensors and parameters only: a tensor subclass (DTensor, a compiler's fake tensor) holds its
+    memory, if any, in plain tensors of its own."""
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
         warnings.simplefilter("ignore")
-        live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+        live = [o for o in gc.get_objects() if type(o) in (torch.Tensor, nn.Parameter) and o.is_cuda]
     tensors = sorted(live, key=lambda t: t.untyped_storage().nbytes(), reverse=True)[:count]
     del live
     lines = []
