@@ -52,6 +52,10 @@ class Registry:
         self.states.append(state)
         return len(self.states) - 1
 
+    def sharding_id(self, model: Any) -> int:
+        """The sharding id of `model`, a model given to `shard` (its state's index)."""
+        return next(i for i, state in enumerate(self.states) if state is self.models[model])
+
     def reusable_id(self, state: ShardingState) -> int | None:
         """The sharding id of a state equal to `state` whose model is gone, if there is one."""
         live = {id(known) for known in self.models.values()}

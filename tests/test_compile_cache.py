@@ -143,22 +143,18 @@ def test_a_dump_bypasses_the_cache_and_reports_what_a_cache_hit_does(launches):
         assert without_ids(from_files) == without_ids(second[rank]["m1"]["graphs"])
 
 
-def sharding_id(model: nn.Module) -> int:
-    return next(i for i, state in enumerate(zpp.REGISTRY.states) if state is zpp.REGISTRY.models[model])
-
-
 def shard_again(rank: int, world_size: int) -> dict:
     """Trains a model, deletes it, and trains the same model built and sharded again in the same
     process; a twin sharded alongside stays alive, and a model of another config comes after."""
     first = zpp.shard(mlp().to(device()), ALL_THREE)
     twin = zpp.shard(mlp().to(device()), ALL_THREE)
-    ids = {"first": sharding_id(first), "twin": sharding_id(twin)}
+    ids = {"first": zpp.REGISTRY.sharding_id(first), "twin": zpp.REGISTRY.sharding_id(twin)}
     before = train(first, {}, rank)
     del first
     torch._dynamo.reset()  # as between a benchmark's variants: Dynamo traces the new model afresh
     again = zpp.shard(mlp().to(device()), ALL_THREE)
     other = zpp.shard(mlp().to(device()), INT8_GRADIENTS)
-    ids.update(again=sharding_id(again), other=sharding_id(other))
+    ids.update(again=zpp.REGISTRY.sharding_id(again), other=zpp.REGISTRY.sharding_id(other))
     after = train(again, {}, rank)
     return {"ids": ids, "before": before, "after": after, "reported": zpp.comm_report(again).to_dict()}
 

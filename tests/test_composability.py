@@ -127,14 +127,10 @@ def sequence_lengths_run(rank: int, world_size: int) -> int:
     assert (mine.intra_bytes + mine.inter_bytes, len(mine.rows)) == reports[0]
     assert both.intra_bytes + both.inter_bytes == 2 * reports[0][0]  # the same architecture: the same bytes
     compiled_graphs = sum(1 for g in zpp.REGISTRY.ledger[start:]
-                          if g.kind == "forward" and g.model.sharding_id == _id(model))
+                          if g.kind == "forward" and g.model.sharding_id == zpp.REGISTRY.sharding_id(model))
     zpp.reset_comm_report()
     assert not zpp.comm_report().rows
     return compiled_graphs
-
-
-def _id(model: nn.Module) -> int:
-    return next(i for i, state in enumerate(zpp.REGISTRY.states) if state is zpp.REGISTRY.models[model])
 
 
 def test_changing_sequence_length_recompiles_at_most_once(results):

@@ -39,7 +39,7 @@ def comm_report(model: nn.Module | None = None) -> CommReport:
     if model is not None:
         if model not in REGISTRY.models:
             raise ValueError(f"comm_report(model): {type(model).__name__} was not sharded by zpp_compile.shard")
-        sharding_id = next(i for i, state in enumerate(REGISTRY.states) if state is REGISTRY.models[model])
+        sharding_id = REGISTRY.sharding_id(model)
         graphs = [g for g in graphs if g.model is not None and g.model.sharding_id == sharding_id]
     return CommReport.from_graphs(graphs)
 
