@@ -77,6 +77,7 @@ import gc
 import gzip
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -84,6 +85,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -563,6 +565,8 @@ def rank_max(value: float, device: torch.device) -> float:
 
 # ----------------------------------------------------------------------------- one variant
 
+TORCH_LINEAR = torch.nn.functional.linear  # what release_deepspeed puts back
+
 
 def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[torch.Tensor, torch.Tensor]],
                 env: dict[str, Any], trace_name: str) -> dict[str, Any]:
@@ -585,6 +589,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
             step_model, model = build_zeropp(model, variant, ranks_per_node, debug, args.zpp_option, checkpointing)
         else:
             step_model, model = build_deepspeed(model, variant, args.batch, world, checkpointing)
+    opt = None  # DeepSpeed's engine owns its optimizer
     if variant.system == "deepspeed":
         def optimize(loss: torch.Tensor) -> None:
             step_model.backward(loss)
@@ -636,8 +641,12 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     }
     if variant.system == "deepspeed":
         release_deepspeed(step_model)
-    step_model = model = optimize = None  # the variant's memory goes before the next one's
+    released = weakref.ref(model)  # a DeepSpeed engine's is emptied instead (release_deepspeed)
+    step_model = model = opt = optimize = None  # the variant's memory goes before the next one's
     release_memory(device)
+    if variant.system != "deepspeed" and released() is not None and dist.get_rank() == 0:
+        print(f"  {variant.name}: its model is still alive after its release; what refers to it:\n"
+              f"{describe_referrers(released())}", flush=True)
     if device.type == "cuda":
         result["kept_after_release_bytes"] = kept = torch.cuda.memory_allocated() - leftover
         if kept > 2**30 and dist.get_rank() == 0:
@@ -675,14 +684,22 @@ def comm_bytes(variant: Variant, shard_numel: int, world: int, ranks_per_node: i
 
 def release_deepspeed(engine: Any) -> None:
     """Ends a DeepSpeed engine before the next variant is measured: `destroy()` (its hooks and
-    buffers), and what that leaves. DeepSpeed's ZeRO-3 pushes each engine's model on a module-level
-    stack (`deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`) that `destroy()` does not
-    pop, which keeps the model, and what it refers to, allocated in every later variant."""
+    buffers), and what that leaves:
+    - DeepSpeed's ZeRO-3 pushes each engine's model on a module-level stack
+      (`deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`) that `destroy()` does not pop,
+      which keeps the model, and what it refers to, allocated in every later variant;
+    - it replaces `torch.nn.functional.linear` with its own autograd function for good, so every
+      later variant would run DeepSpeed's linear (other graphs, so zeropp's compile caches miss);
+    - with ZeRO++'s quantized paths the engine stays referenced from outside Python's reach, so
+      its optimizer's and its own attributes are dropped, which frees their memory."""
     engine.destroy()
     offload = importlib.import_module("deepspeed.runtime.zero.parameter_offload")
     stack = getattr(offload, "FWD_MODULE_STACK", None)
     if stack is not None:
         stack[:] = [module for module in stack if module is not engine.module]
+    torch.nn.functional.linear = TORCH_LINEAR
+    vars(engine.optimizer).clear()
+    vars(engine).clear()
 
 
 def release_memory(device: torch.device) -> None:
@@ -692,6 +709,33 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def describe_referrers(obj: Any, depth: int = 4) -> str:
+    """What keeps `obj` alive: the objects that refer to it, and those that refer to them, to `depth`
+    levels (type names; for a function, its name; for a dict, its first keys)."""
+    lines: list[str] = []
+    seen = {id(lines)}
+
+    def visit(target: Any, level: int) -> None:
+        referrers = gc.get_referrers(target)
+        seen.add(id(referrers))
+        for ref in referrers:
+            if id(ref) in seen or inspect.isframe(ref):
+                continue
+            seen.add(id(ref))
+            described = type(ref).__qualname__
+            if isinstance(ref, dict):
+                described += " with keys " + ", ".join(map(str, list(ref)[:5]))
+            elif hasattr(ref, "__qualname__"):
+                described += " " + str(ref.__qualname__)
+            lines.append("    " + "  " * level + described[:160])
+            if level + 1 < depth:
+                visit(ref, level + 1)
+
+    gc.collect()
+    visit(obj, 0)
+    return "\n".join(lines[:60])
 
 
 def describe_cuda_tensors(count: int = 5) -> str:
@@ -853,6 +897,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     names = args.variants.split(",")
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    launch_start = time.perf_counter()
     for index in range(args.rounds):
         for name in names:
             label = f"{name}.round{index}" if args.rounds > 1 else name
@@ -862,7 +907,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(f"  {label:<24} {r['ms_per_step']:8.1f} ms/step "
                       f"(host issues a step in {r['host_ms_per_step']:.1f} ms) "
                       f"{r['tokens_per_s']:>10,.0f} tokens/s  (first step {r['first_step_s']:.1f} s, "
-                      f"warmup {r['warmup_s']:.1f} s)", flush=True)
+                      f"warmup {r['warmup_s']:.1f} s; {time.perf_counter() - launch_start:.0f} s into the launch)",
+                      flush=True)
     results = [median_round(rounds[name]) for name in names]
     add_comparisons(results)
     if rank == 0:

@@ -80,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
     p.add_argument("--final-window", type=int,
                    help="last steps averaged for the final loss (default 50, at most --steps)")
-    p.add_argument("--val-batches", type=int, default=16, help="held-out batches per rank")
+    p.add_argument("--val-batches", type=int, default=64,
+                   help="held-out batches per rank (the same batches for every variant of a seed, so that the "
+                        "held-out gap compares the runs on the same bytes)")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient reduce dtype")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
     p.add_argument("--data-bytes", type=int, default=30_000_000,
@@ -228,8 +230,10 @@ STUDY_SETTINGS = ("model", "dim", "layers", "heads", "kv_heads", "seq", "batch",
                   "val_batches", "reduce_dtype", "ranks_per_node", "data_bytes")
 
 
-def study_settings(args: argparse.Namespace, world: int) -> dict[str, Any]:
-    return {**{key: getattr(args, key) for key in STUDY_SETTINGS}, "world": world}
+def study_settings(args: argparse.Namespace, world: int, bytes_read: int) -> dict[str, Any]:
+    """The settings that make launches one study; `bytes_read` is what the standard library held,
+    which is less than --data-bytes where the library is smaller (it differs between Pythons)."""
+    return {**{key: getattr(args, key) for key in STUDY_SETTINGS}, "world": world, "bytes_read": bytes_read}
 
 
 def resumed_runs(paths: list[str], settings: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -351,7 +355,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if args.cuda_graphs and device.type != "cuda":
         raise SystemExit("--cuda-graphs needs GPUs (CUDA graphs); drop it on CPU")
-    settings = study_settings(args, world)
+    settings = study_settings(args, world, len(data))
+    if rank == 0:
+        print(f"{len(train_bytes) / 1e6:.1f} MB of standard-library source to train on, "
+              f"{len(val_bytes) / 1e6:.1f} MB held out", flush=True)
     done = resumed_runs(args.resume, settings)
     for seed in args.seeds:
         for name, options in variants(args.variants, hpz).items():

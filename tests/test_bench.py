@@ -193,7 +193,8 @@ def brute_force_exposed(kernels: list[tuple[str, int, int]]) -> int:
 
 def released_deepspeed_engine_frees(rank: int, world_size: int) -> dict:
     """A DeepSpeed ZeRO-3 engine trained one step, then ended by `engine.destroy()` alone or by the
-    benchmark's `release_deepspeed`: is its model (and optimizer) still alive?"""
+    benchmark's `release_deepspeed`: is its model (and optimizer) still alive, and is
+    `torch.nn.functional.linear` still DeepSpeed's?"""
     import gc
     import weakref
 
@@ -202,6 +203,7 @@ def released_deepspeed_engine_frees(rank: int, world_size: int) -> dict:
     from bench import release_deepspeed
 
     alive = {}
+    torch_linear = torch.nn.functional.linear
     for how in ("destroy", "release_deepspeed"):
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         config = {"train_batch_size": 2 * world_size, "train_micro_batch_size_per_gpu": 2,
@@ -216,15 +218,16 @@ def released_deepspeed_engine_frees(rank: int, world_size: int) -> dict:
             release_deepspeed(engine)
         del model, engine, _
         gc.collect()
-        alive[how] = [ref() is not None for ref in refs]
+        alive[how] = [ref() is not None for ref in refs] + [torch.nn.functional.linear is not torch_linear]
     return alive
 
 
 def test_a_released_deepspeed_engine_frees_its_model_and_optimizer():
     pytest.importorskip("deepspeed")
     for alive in run_ranks(released_deepspeed_engine_frees, WORLD):
-        # destroy() alone leaves both on DeepSpeed's module stack (what the later variants ran short of).
-        assert alive == {"destroy": [True, True], "release_deepspeed": [False, False]}, alive
+        # destroy() alone leaves both on DeepSpeed's module stack (what the later variants ran short of),
+        # and its linear in torch's place (what later variants then ran).
+        assert alive == {"destroy": [True, True, True], "release_deepspeed": [False, False, False]}, alive
 
 
 def test_exposed_communication_is_comm_time_not_covered_by_compute():

@@ -54,7 +54,7 @@ def test_a_launch_may_run_any_part_of_the_study():
 
 def test_launches_of_parts_are_merged_and_other_settings_refused(tmp_path):
     args = parse_args(["--seeds", "0,1", "--steps", "20"])
-    settings = study_settings(args, world=2)
+    settings = study_settings(args, world=2, bytes_read=1000)
     parts = {"zero3": [run(1, 1.5, 2.5), run(0, 1.0, 2.0)], "all3": [run(0, 1.01, 2.0)]}
     paths = []
     for name, seeded in parts.items():
@@ -65,6 +65,8 @@ def test_launches_of_parts_are_merged_and_other_settings_refused(tmp_path):
     runs = ordered_runs(done, ["zero3", "qgz", "all3"], [0, 1])
     assert {name: [r["seed"] for r in seeded] for name, seeded in runs.items()} == {"zero3": [0, 1], "all3": [0]}
     with pytest.raises(ValueError, match="steps: 20 there, 30 here"):
-        resumed_runs([str(paths[0])], study_settings(parse_args(["--steps", "30"]), world=2))
+        resumed_runs([str(paths[0])], study_settings(parse_args(["--steps", "30"]), world=2, bytes_read=1000))
     with pytest.raises(ValueError, match="world: 2 there, 4 here"):
-        resumed_runs([str(paths[0])], study_settings(args, world=4))
+        resumed_runs([str(paths[0])], study_settings(args, world=4, bytes_read=1000))
+    with pytest.raises(ValueError, match="bytes_read: 1000 there, 900 here"):  # a Python with a smaller library
+        resumed_runs([str(paths[0])], study_settings(args, world=2, bytes_read=900))
