@@ -21,8 +21,8 @@ inside a node, INT4 across), all3 (qwZ + hpZ + qgZ), qgz_int4 (qgZ with INT4 on 
 Every run trains from its seed's initial weights with AdamW (linear warmup, cosine decay to 10%),
 gradient clipping at 1.0, bf16 compute, Inductor and fused AdamW on GPUs (fp32 and debug mode, no
 Inductor, on CPU). The loss of a step is the mean over all ranks. A run's final loss is the mean of its last 50
-steps (--final-window); its held-out loss is the mean over --val-batches batches from the last 10%
-of the bytes, which training never reads. Per variant: mean and standard deviation over seeds, and
+steps (--final-window); its held-out loss is the mean over --val-batches batches from every tenth
+source file, which training never reads. Per variant: mean and standard deviation over seeds, and
 the gap to plain ZeRO-3 with a 95% interval from the per-seed (paired) differences (Student's t
 with seeds - 1 degrees of freedom). With 2 ranks the default emulates 2 nodes of 1 rank, so qgZ
 reduces across the (emulated) node boundary and hpZ keeps a full copy.
@@ -44,7 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zpp_compile as zpp
-from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
+from gpt import (GPT, GPTConfig, as_tokens, batch, emulated_ranks_per_node, init_distributed,  # examples/gpt.py
+                 stdlib_sources)
 
 VARIANT_NAMES = ("zero3", "qwz", "qgz", "all3", "qgz_int4")
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1 to 10); beyond 10, the 10's.
@@ -86,9 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient reduce dtype")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
     p.add_argument("--data-bytes", type=int, default=30_000_000,
-                   help="bytes of standard-library source, the last 10%% held out (default: about all of it, so "
-                        "that 2000 steps of 2 x 16 x 256 bytes read most training bytes once and the held-out "
-                        "loss measures generalization, not memorization)")
+                   help="bytes of standard-library source, every tenth file held out (default: all of a "
+                        "library of up to 30 MB, so that training repeats as few bytes as the library allows and "
+                        "the held-out loss measures generalization, not memorization)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay each compiled step as a CUDA graph (Config.cuda_graphs; GPUs): less host time")
     p.add_argument("--json", help="write every run's losses and the summary here, after every run (rank 0)")
@@ -225,6 +226,19 @@ def summarize(runs: dict[str, list[dict[str, Any]]], window: int) -> dict[str, d
     return out
 
 
+HELD_OUT_EVERY = 10  # every tenth source file is held out
+
+
+def train_and_held_out(limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard-library source (up to `limit` bytes) to train on, and the held-out bytes: every
+    tenth file, so that they come from the same mix of modules as the training bytes (the last
+    tenth in path order would be a few packages of their own) and from no training batch."""
+    sources = stdlib_sources(limit)
+    held_out = [s for i, s in enumerate(sources) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    train = [s for i, s in enumerate(sources) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    return as_tokens(b"".join(train)), as_tokens(b"".join(held_out))
+
+
 # What makes two launches' runs one study: the model, the data, the optimization and the topology.
 STUDY_SETTINGS = ("model", "dim", "layers", "heads", "kv_heads", "seq", "batch", "steps", "lr", "warmup",
                   "val_batches", "reduce_dtype", "ranks_per_node", "data_bytes")
@@ -233,7 +247,8 @@ STUDY_SETTINGS = ("model", "dim", "layers", "heads", "kv_heads", "seq", "batch",
 def study_settings(args: argparse.Namespace, world: int, bytes_read: int) -> dict[str, Any]:
     """The settings that make launches one study; `bytes_read` is what the standard library held,
     which is less than --data-bytes where the library is smaller (it differs between Pythons)."""
-    return {**{key: getattr(args, key) for key in STUDY_SETTINGS}, "world": world, "bytes_read": bytes_read}
+    return {**{key: getattr(args, key) for key in STUDY_SETTINGS}, "world": world, "bytes_read": bytes_read,
+            "held_out": f"every {HELD_OUT_EVERY}th file"}
 
 
 def resumed_runs(paths: list[str], settings: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -349,16 +364,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     args.ranks_per_node = emulated_ranks_per_node(world, args.ranks_per_node)
     hpz = args.ranks_per_node if world // args.ranks_per_node > 1 else 1
-    data = stdlib_bytes(args.data_bytes)
-    split = len(data) * 9 // 10
-    train_bytes, val_bytes = data[:split], data[split:]
+    train_bytes, val_bytes = train_and_held_out(args.data_bytes)
 
     if args.cuda_graphs and device.type != "cuda":
         raise SystemExit("--cuda-graphs needs GPUs (CUDA graphs); drop it on CPU")
-    settings = study_settings(args, world, len(data))
+    settings = study_settings(args, world, len(train_bytes) + len(val_bytes))
     if rank == 0:
-        print(f"{len(train_bytes) / 1e6:.1f} MB of standard-library source to train on, "
-              f"{len(val_bytes) / 1e6:.1f} MB held out", flush=True)
+        print(f"{len(train_bytes) / 1e6:.2f} MB of standard-library source to train on, "
+              f"{len(val_bytes) / 1e6:.2f} MB held out", flush=True)
     done = resumed_runs(args.resume, settings)
     for seed in args.seeds:
         for name, options in variants(args.variants, hpz).items():

@@ -67,19 +67,30 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------- data
 
 
-def stdlib_bytes(limit: int) -> torch.Tensor:
-    """The standard library's .py files, concatenated in a fixed order, as a byte tensor."""
+def stdlib_sources(limit: int) -> list[bytes]:
+    """The standard library's .py files in a fixed order, until they hold `limit` bytes (the last
+    one cut there), or all of them where the library holds fewer."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
+    sources, total = [], 0
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts:
             continue
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
+        source = path.read_bytes()[:limit - total]
+        sources.append(source)
+        total += len(source)
         if total >= limit:
             break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
+    return sources
+
+
+def as_tokens(text: bytes) -> torch.Tensor:
+    """Bytes as a tensor of token ids (0-255)."""
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def stdlib_bytes(limit: int) -> torch.Tensor:
+    """The standard library's .py files, concatenated in a fixed order, as a byte tensor."""
+    return as_tokens(b"".join(stdlib_sources(limit)))
 
 
 def batch(data: torch.Tensor, step: int, rank: int, world: int, per_rank: int, seq: int,

@@ -1,6 +1,6 @@
 """The convergence study's statistics (per-seed paired gaps to plain ZeRO-3 and their 95% interval,
 checked against the t-interval worked out by hand), and how launches of parts of a study, or a
-stopped one, are resumed and merged."""
+stopped one, are resumed and merged; and which bytes are held out."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-from convergence import interval, ordered_runs, parse_args, resumed_runs, study_settings, summarize  # noqa: E402
+from convergence import (interval, ordered_runs, parse_args, resumed_runs, study_settings, summarize,  # noqa: E402
+                         train_and_held_out)
+from gpt import stdlib_sources  # noqa: E402
 
 
 def test_paired_gap_interval_is_students_t_over_the_seeds():
@@ -70,3 +73,15 @@ def test_launches_of_parts_are_merged_and_other_settings_refused(tmp_path):
         resumed_runs([str(paths[0])], study_settings(args, world=4, bytes_read=1000))
     with pytest.raises(ValueError, match="bytes_read: 1000 there, 900 here"):  # a Python with a smaller library
         resumed_runs([str(paths[0])], study_settings(args, world=2, bytes_read=900))
+
+
+def test_held_out_bytes_are_every_tenth_file_and_never_trained_on():
+    train, held_out = train_and_held_out(2_000_000)
+    sources = stdlib_sources(2_000_000)
+    assert len(train) + len(held_out) == sum(map(len, sources)) == 2_000_000
+    assert 0.03 < len(held_out) / 2_000_000 < 0.3  # about a tenth (files differ in size)
+    tenth = sources[9::10]
+    assert bytes(held_out[:len(tenth[0])].to(torch.uint8).tolist()) == tenth[0]
+    trained = bytes(train.to(torch.uint8).tolist())
+    assert all(source not in trained for source in tenth if len(source) > 1000)
+    assert torch.equal(train_and_held_out(2_000_000)[1], held_out)  # the same split every time
