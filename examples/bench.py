@@ -766,6 +766,22 @@ def describe_cuda_tensors(count: int = 5) -> str:
 # ----------------------------------------------------------------------------- comparing
 
 
+def medians(rounds: dict[str, list[dict[str, Any]]], names: list[str]) -> list[dict[str, Any]]:
+    """Each variant's median round, with the comparisons between them."""
+    results = [median_round(rounds[name]) for name in names]
+    add_comparisons(results)
+    return results
+
+
+def write_json(path: str, content: dict[str, Any]) -> None:
+    """Writes `content` to a temporary file renamed over `path`: a launch stopped while writing
+    leaves the previous version whole."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(content, f, indent=1)
+    os.replace(partial, path)
+
+
 def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of median step time (of an even count, the slower middle one), with every run's."""
     median = sorted(runs, key=lambda r: r["ms_per_step"])[len(runs) // 2]
@@ -909,16 +925,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                       f"{r['tokens_per_s']:>10,.0f} tokens/s  (first step {r['first_step_s']:.1f} s, "
                       f"warmup {r['warmup_s']:.1f} s; {time.perf_counter() - launch_start:.0f} s into the launch)",
                       flush=True)
-    results = [median_round(rounds[name]) for name in names]
-    add_comparisons(results)
+        if rank == 0 and args.json and index + 1 < args.rounds:  # a launch stopped later keeps its rounds
+            write_json(args.json, {"setup": {**setup, "rounds_finished": index + 1},
+                                   "variants": medians(rounds, names)})
+    results = medians(rounds, names)
     if rank == 0:
         print(table(results))
         if args.rounds > 1:
             for r in results:
                 print(f"  {r['name']:<18} rounds, ms/step: " + ", ".join(f"{ms:.1f}" for ms in r["ms_per_step_rounds"]))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"setup": setup, "variants": results}, f, indent=1)
+            write_json(args.json, {"setup": {**setup, "rounds_finished": args.rounds}, "variants": results})
         if args.png:
             plot(results, f"{setup['device']} x{world}, link {setup['link']}, {described} ({setup['date']})", args.png)
     dist.destroy_process_group()

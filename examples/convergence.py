@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 from typing import Any
@@ -44,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zpp_compile as zpp
+from bench import write_json  # examples/bench.py
 from gpt import (GPT, GPTConfig, as_tokens, batch, emulated_ranks_per_node, init_distributed,  # examples/gpt.py
                  stdlib_sources)
 
@@ -335,15 +335,6 @@ def study(args: argparse.Namespace, settings: dict[str, Any], done: dict[tuple[s
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "command": " ".join(sys.argv),
         "args": {k: v for k, v in vars(args).items() if k not in ("json", "png", "resume")}, "runs": runs,
     }
-
-
-def write_json(path: str, content: dict[str, Any]) -> None:
-    """Writes `content` to a temporary file renamed over `path`: a launch stopped while writing leaves
-    the previous version whole."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(content, f, indent=1)
-    os.replace(partial, path)
 
 
 def print_summary(summary: dict[str, Any]) -> None:

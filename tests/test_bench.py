@@ -271,6 +271,32 @@ def test_ranks_pair_their_collectives():
     assert run_ranks(exposed_and_peer_wait_on, 2) == [(7 / 25, 11 / 25), (7 / 25, 0.0)]
 
 
+def launch_stopped_in_its_second_round(rank: int, world_size: int, path: str) -> dict | None:
+    """bench.main with --rounds 3, stopped by an error when the second round begins."""
+    import bench
+
+    measure = bench.run_variant
+
+    def run_variant(variant, args, data, env, label):  # noqa: ANN001, ANN202
+        if label.endswith("round1"):
+            raise RuntimeError("stopped")
+        return measure(variant, args, data, env, label)
+
+    bench.run_variant = run_variant
+    with pytest.raises(RuntimeError, match="stopped"):
+        bench.main(["--compile-mode", "debug", "--variants", "zero3,fsdp2", "--rounds", "3", "--dim", str(DIM),
+                    "--layers", str(LAYERS), "--heads", str(HEADS), "--seq", str(SEQ), "--steps", "1",
+                    "--warmup", "1", "--data-bytes", "200000", "--json", path])
+    return json.loads(Path(path).read_text()) if rank == 0 else None
+
+
+def test_a_stopped_launch_keeps_its_finished_rounds(tmp_path):
+    kept = run_ranks(launch_stopped_in_its_second_round, WORLD, str(tmp_path / "bench.json"))[0]
+    assert kept["setup"]["rounds"] == 3 and kept["setup"]["rounds_finished"] == 1
+    assert [(r["name"], len(r["ms_per_step_rounds"])) for r in kept["variants"]] == [("zero3", 1), ("fsdp2", 1)]
+    assert kept["variants"][0]["vs_fsdp2_default"] > 0  # compared as a finished launch's table is
+
+
 def test_the_median_round_is_reported_with_every_round():
     runs = [{"name": "all3", "ms_per_step": ms} for ms in (140.0, 120.0, 180.0)]
     assert median_round(runs) == {"name": "all3", "ms_per_step": 140.0, "ms_per_step_rounds": [140.0, 120.0, 180.0]}
