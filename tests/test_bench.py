@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -277,7 +278,7 @@ def launch_stopped_in_its_second_round(rank: int, world_size: int, path: str) ->
 
     measure = bench.run_variant
 
-    def run_variant(variant, args, data, env, label):  # noqa: ANN001, ANN202
+    def run_variant(variant: Any, args: Any, data: Any, env: Any, label: str) -> dict:
         if label.endswith("round1"):
             raise RuntimeError("stopped")
         return measure(variant, args, data, env, label)
