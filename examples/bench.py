@@ -568,10 +568,20 @@ def rank_max(value: float, device: torch.device) -> float:
 TORCH_LINEAR = torch.nn.functional.linear  # what release_deepspeed puts back
 
 
+def require_torch_linear(variant_name: str) -> None:
+    """Refuses to measure a variant while `torch.nn.functional.linear` is not torch's own: a library
+    that replaced it (DeepSpeed's ZeRO-3 does, for the whole process) would be measured instead."""
+    if torch.nn.functional.linear is not TORCH_LINEAR:
+        raise RuntimeError(
+            f"{variant_name}: torch.nn.functional.linear is {torch.nn.functional.linear!r}, not torch's own; "
+            "something run before this variant replaced it (release_deepspeed puts it back after DeepSpeed)")
+
+
 def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[torch.Tensor, torch.Tensor]],
                 env: dict[str, Any], trace_name: str) -> dict[str, Any]:
     device, world, ranks_per_node = env["device"], env["world"], env["ranks_per_node"]
     debug, checkpointing = args.compile_mode == "debug", args.activation_checkpointing
+    require_torch_linear(variant.name)
     zpp.reset_comm_report()  # the report then covers this variant's graphs only
     leftover = None
     if device.type == "cuda":  # what earlier variants left allocated (should be ~0) is reported

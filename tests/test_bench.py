@@ -291,6 +291,15 @@ def launch_stopped_in_its_second_round(rank: int, world_size: int, path: str) ->
     return json.loads(Path(path).read_text()) if rank == 0 else None
 
 
+def test_a_variant_is_not_measured_on_a_replaced_linear(monkeypatch):
+    from bench import require_torch_linear
+
+    require_torch_linear("zero3")
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: x @ w.t())
+    with pytest.raises(RuntimeError, match="zero3: torch.nn.functional.linear is .* not torch's own"):
+        require_torch_linear("zero3")
+
+
 def test_a_stopped_launch_keeps_its_finished_rounds(tmp_path):
     kept = run_ranks(launch_stopped_in_its_second_round, WORLD, str(tmp_path / "bench.json"))[0]
     assert kept["setup"]["rounds"] == 3 and kept["setup"]["rounds_finished"] == 1
