@@ -204,7 +204,8 @@ def _register(state: ShardingState) -> tuple[int, ShardingState]:
     are the gone one's and Inductor's caches serve them in the same process too (a model built again
     from scratch, as a benchmark or a sweep does); else a new id. The ranks decide together, so that
     ids stay equal across ranks. A collective call."""
-    gc.collect()  # a deleted model that only reference cycles held is gone on every rank alike
+    if state in REGISTRY.states:  # else nothing could be taken back: no full collection for the first model
+        gc.collect()  # a deleted model that only reference cycles held is gone on every rank alike
     reusable = REGISTRY.reusable_id(state)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, reusable)
