@@ -1,6 +1,6 @@
 """The convergence study's statistics (per-seed paired gaps to plain ZeRO-3 and their 95% interval,
 checked against the t-interval worked out by hand), and how launches of parts of a study, or a
-stopped one, are resumed and merged; and which bytes are held out."""
+stopped one, are resumed and merged; which bytes are held out, and the order training reads the rest."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-from convergence import (interval, ordered_runs, parse_args, resumed_runs, study_settings, summarize,  # noqa: E402
-                         train_and_held_out)
+from convergence import (epochs, interval, ordered_runs, parse_args, resumed_runs, study_settings,  # noqa: E402
+                         summarize, train_and_held_out, window_starts, windows)
 from gpt import stdlib_sources  # noqa: E402
 
 
@@ -85,3 +85,26 @@ def test_held_out_bytes_are_every_tenth_file_and_never_trained_on():
     trained = bytes(train.to(torch.uint8).tolist())
     assert all(source not in trained for source in tenth if len(source) > 1000)
     assert torch.equal(train_and_held_out(2_000_000)[1], held_out)  # the same split every time
+
+
+def test_training_reads_every_window_once_per_epoch_in_a_seeded_order():
+    seq, n_bytes = 8, 8 * 50 + 5  # 50 windows of 8 bytes, each with its next byte as the last target
+    starts = window_starts(n_bytes, seq, 120, seed=3)  # two epochs and a fifth
+    assert starts.tolist()[:50] != list(range(0, 400, 8))  # shuffled
+    for epoch in (starts[:50], starts[50:100]):
+        assert sorted(epoch.tolist()) == list(range(0, 400, 8))  # every window once
+    assert len(set(starts[100:].tolist())) == 20
+    assert torch.equal(window_starts(n_bytes, seq, 120, seed=3), starts)
+    assert not torch.equal(window_starts(n_bytes, seq, 120, seed=4), starts)
+    data = torch.arange(n_bytes)
+    x, y = windows(data, starts[:4], seq)
+    assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(x[:, 0], starts[:4])
+    assert (y.max() < n_bytes).item()
+    with pytest.raises(ValueError, match="no sequence of 8"):
+        window_starts(8, seq, 1, seed=0)
+
+
+def test_the_llama_study_trains_under_one_epoch_of_the_library():
+    args = parse_args(["--model", "llama", "--steps", "2000", "--batch", "8"])
+    assert epochs(args, world=2, n_bytes=9_600_000) < 1  # the GPU machines' library: 9.6 MB trained on
+    assert epochs(parse_args(["--model", "llama", "--steps", "2000"]), world=2, n_bytes=9_600_000) > 1.5
