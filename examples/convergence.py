@@ -1,9 +1,9 @@
 """Does ZeRO++'s quantization cost accuracy? Each variant trained from the same seeds on the same
-batches in the same order, on the standard library's source bytes, and compared with plain ZeRO-3
-seed by seed, so that the gap is told apart from run-to-run noise.
+batches in the same order, on Python source bytes, and compared with plain ZeRO-3 seed by seed, so
+that the gap is told apart from run-to-run noise.
 
     torchrun --nproc_per_node=2 examples/convergence.py --model llama --seeds 0,1,2 --steps 2000 \
-        --batch 8 --json conv.json --png conv.png                         # 2 GPUs as 2 emulated nodes
+        --corpus stdlib+torch --data-bytes 60000000 --json conv.json --png conv.png  # 2 GPUs, 2 emulated nodes
     torchrun --nproc_per_node=2 examples/convergence.py --seeds 0,1 --steps 20 --dim 64 --layers 2 \
         --heads 2 --seq 64 --batch 2 --variants zero3,all3                # CPU, a minute
 
@@ -18,17 +18,20 @@ the 256 byte values, by default width 768, 16 layers, 12 heads of which 4 key/va
 embeddings: about 100M parameters. Variants: zero3 (plain ZeRO-3), qwz, qgz (its defaults: INT8
 inside a node, INT4 across), all3 (qwZ + hpZ + qgZ), qgz_int4 (qgZ with INT4 on both hops).
 
+The text (--corpus) is the standard library's .py files, or those and then torch's own; every tenth
+file is held out. Training reads the rest in windows of --seq bytes in a seeded order, each once per
+epoch, and the launch prints how many epochs it trains: a study of more than one epoch trains on
+bytes it has seen, and its held-out loss then measures memorization as much as the quantization
+(the first command trains 16 MB of about 50).
+
 Every run trains from its seed's initial weights with AdamW (linear warmup, cosine decay to 10%),
-gradient clipping at 1.0, bf16 compute, Inductor and fused AdamW on GPUs (fp32 and debug mode, no
-Inductor, on CPU). Training reads the text in windows of --seq bytes in a seeded order, each once per
-epoch; the launch prints how many epochs it trains. A study under one epoch (the command above: 8.2
-MB of a library of about 10) never trains on a byte twice, so its held-out loss is not a measure of
-memorization. The loss of a step is the mean over all ranks. A run's final loss is the mean of its last 50
-steps (--final-window); its held-out loss is the mean over --val-batches batches from every tenth
-source file, which training never reads. Per variant: mean and standard deviation over seeds, and
-the gap to plain ZeRO-3 with a 95% interval from the per-seed (paired) differences (Student's t
-with seeds - 1 degrees of freedom). With 2 ranks the default emulates 2 nodes of 1 rank, so qgZ
-reduces across the (emulated) node boundary and hpZ keeps a full copy.
+gradient clipping at 1.0 (each step's norm before clipping is recorded), bf16 compute, Inductor and
+fused AdamW on GPUs (fp32 and debug mode, no Inductor, on CPU). The loss of a step is the mean over
+all ranks. A run's final loss is the mean of its last 50 steps (--final-window); its held-out loss
+is the mean over --val-batches batches of the held-out files. Per variant: mean and standard
+deviation over seeds, and the gap to plain ZeRO-3 with a 95% interval from the per-seed (paired)
+differences (Student's t with seeds - 1 degrees of freedom). With 2 ranks the default emulates 2
+nodes of 1 rank, so qgZ reduces across the (emulated) node boundary and hpZ keeps a full copy.
 """
 
 from __future__ import annotations
@@ -38,19 +41,22 @@ import json
 import math
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import zpp_compile as zpp
 from bench import write_json  # examples/bench.py
-from gpt import (GPT, GPTConfig, as_tokens, batch, emulated_ranks_per_node, init_distributed,  # examples/gpt.py
-                 stdlib_sources)
+from gpt import (STDLIB, GPT, GPTConfig, as_tokens, batch, emulated_ranks_per_node, init_distributed,  # examples/gpt.py
+                 python_sources)
 
 VARIANT_NAMES = ("zero3", "qwz", "qgz", "all3", "qgz_int4")
+CLIP_NORM = 1.0  # gradient clipping
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1 to 10); beyond 10, the 10's.
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
@@ -89,10 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "held-out gap compares the runs on the same bytes)")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient reduce dtype")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="stdlib",
+                   help="the text: the standard library's .py files, or those and then torch's")
     p.add_argument("--data-bytes", type=int, default=30_000_000,
-                   help="bytes of standard-library source, every tenth file held out (default: all of a "
-                        "library of up to 30 MB, so that training repeats as few bytes as the library allows and "
-                        "the held-out loss measures generalization, not memorization)")
+                   help="bytes of the corpus to read, every tenth file held out (default: 30 MB, all of a "
+                        "standard library up to that size)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay each compiled step as a CUDA graph (Config.cuda_graphs; GPUs): less host time")
     p.add_argument("--json", help="write every run's losses and the summary here, after every run (rank 0)")
@@ -164,13 +171,15 @@ def train(options: dict[str, Any], seed: int, args: argparse.Namespace, device: 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), fused=on_gpu)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.warmup, args.steps))
     losses = torch.zeros(args.steps, device=device, dtype=torch.float64)
+    grad_norms = torch.zeros(args.steps, device=device, dtype=torch.float64)
     starts = window_starts(len(train_bytes), args.seq, args.steps * world * args.batch, seed)
     for step in range(args.steps):
         first = (step * world + rank) * args.batch
         x, y = windows(train_bytes, starts[first:first + args.batch], args.seq)
         loss = step_model(x.to(device), y.to(device))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        grad_norms[step] = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         opt.step()
         schedule.step()
         opt.zero_grad(set_to_none=True)
@@ -180,7 +189,8 @@ def train(options: dict[str, Any], seed: int, args: argparse.Namespace, device: 
     dist.all_reduce(losses)
     val = validation_loss(model, seed, args, device, val_bytes)
     torch._dynamo.reset()
-    return {"config": config.to_dict(), "seed": seed, "losses": (losses / world).tolist(), "val_loss": val}
+    return {"config": config.to_dict(), "seed": seed, "losses": (losses / world).tolist(),
+            "grad_norms": grad_norms.tolist(), "val_loss": val}
 
 
 def window_starts(n_bytes: int, seq: int, count: int, seed: int) -> torch.Tensor:
@@ -252,6 +262,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], window: int) -> dict[str, d
             gaps = [value(run) - value(reference[run["seed"]]) for run in paired]
             row[f"{measure}_gap"], row[f"{measure}_gap_low"], row[f"{measure}_gap_high"] = (
                 interval(gaps) if gaps else (math.nan,) * 3)
+        norms = [run["grad_norms"] for run in seeded if "grad_norms" in run]
+        if norms:  # quantization noise makes the norm larger, so clipping shortens more steps
+            row["grad_norm_mean"] = statistics.fmean(statistics.fmean(n) for n in norms)
+            row["clipped_fraction"] = statistics.fmean(statistics.fmean(x > CLIP_NORM for x in n) for n in norms)
         out[name] = row
     return out
 
@@ -259,11 +273,16 @@ def summarize(runs: dict[str, list[dict[str, Any]]], window: int) -> dict[str, d
 HELD_OUT_EVERY = 10  # every tenth source file is held out
 
 
-def train_and_held_out(limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard-library source (up to `limit` bytes) to train on, and the held-out bytes: every
-    tenth file, so that they come from the same mix of modules as the training bytes (the last
-    tenth in path order would be a few packages of their own) and from no training batch."""
-    sources = stdlib_sources(limit)
+# Python source present wherever the study runs: the standard library (about 10 MB on the GPU
+# machines' Python), then torch's own modules (about 40 MB more).
+CORPORA = {"stdlib": (STDLIB,), "stdlib+torch": (STDLIB, Path(torch.__file__).parent)}
+
+
+def train_and_held_out(limit: int, corpus: str = "stdlib") -> tuple[torch.Tensor, torch.Tensor]:
+    """The corpus's source (up to `limit` bytes) to train on, and the held-out bytes: every tenth
+    file, so that they come from the same mix of modules as the training bytes (the last tenth in
+    path order would be a few packages of their own) and from no training batch."""
+    sources = python_sources(limit, CORPORA[corpus])
     held_out = [s for i, s in enumerate(sources) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     train = [s for i, s in enumerate(sources) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
     return as_tokens(b"".join(train)), as_tokens(b"".join(held_out))
@@ -271,14 +290,14 @@ def train_and_held_out(limit: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # What makes two launches' runs one study: the model, the data, the optimization and the topology.
 STUDY_SETTINGS = ("model", "dim", "layers", "heads", "kv_heads", "seq", "batch", "steps", "lr", "warmup",
-                  "val_batches", "reduce_dtype", "ranks_per_node", "data_bytes")
+                  "val_batches", "reduce_dtype", "ranks_per_node", "corpus", "data_bytes")
 
 
 def study_settings(args: argparse.Namespace, world: int, bytes_read: int) -> dict[str, Any]:
     """The settings that make launches one study; `bytes_read` is what the standard library held,
     which is less than --data-bytes where the library is smaller (it differs between Pythons)."""
     return {**{key: getattr(args, key) for key in STUDY_SETTINGS}, "world": world, "bytes_read": bytes_read,
-            "held_out": f"every {HELD_OUT_EVERY}th file"}
+            "held_out": f"every {HELD_OUT_EVERY}th file", "training_order": "every window once per epoch"}
 
 
 def resumed_runs(paths: list[str], settings: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -377,6 +396,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         gaps = [f"{row[f'{m}_gap']:+.4f} [{row[f'{m}_gap_low']:+.4f}, {row[f'{m}_gap_high']:+.4f}]"
                 if name != "zero3" else "(reference)" for m in ("final", "val")]
         print(f"{name:<9} {len(row['seeds']):>7} {cells[0]:>15} {gaps[0]:>30} {cells[1]:>15} {gaps[1]:>30}")
+    norms = [f"{name} {row['grad_norm_mean']:.3f} ({row['clipped_fraction']:.0%} clipped)"
+             for name, row in summary["variants"].items() if "grad_norm_mean" in row]
+    if norms:
+        print(f"mean gradient norm before clipping at {CLIP_NORM}: " + ", ".join(norms))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -385,13 +408,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     args.ranks_per_node = emulated_ranks_per_node(world, args.ranks_per_node)
     hpz = args.ranks_per_node if world // args.ranks_per_node > 1 else 1
-    train_bytes, val_bytes = train_and_held_out(args.data_bytes)
+    train_bytes, val_bytes = train_and_held_out(args.data_bytes, args.corpus)
 
     if args.cuda_graphs and device.type != "cuda":
         raise SystemExit("--cuda-graphs needs GPUs (CUDA graphs); drop it on CPU")
     settings = study_settings(args, world, len(train_bytes) + len(val_bytes))
     if rank == 0:
-        print(f"{len(train_bytes) / 1e6:.2f} MB of standard-library source to train on "
+        print(f"{len(train_bytes) / 1e6:.2f} MB of Python source ({args.corpus}) to train on "
               f"({epochs(args, world, len(train_bytes)):.2f} epochs), "
               f"{len(val_bytes) / 1e6:.2f} MB held out", flush=True)
     done = resumed_runs(args.resume, settings)

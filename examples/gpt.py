@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,20 +68,28 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------- data
 
 
-def stdlib_sources(limit: int) -> list[bytes]:
-    """The standard library's .py files in a fixed order, until they hold `limit` bytes (the last
-    one cut there), or all of them where the library holds fewer."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def python_sources(limit: int, roots: Sequence[Path]) -> list[bytes]:
+    """The .py files under each root in turn (each root's in a fixed order, skipping installed
+    packages below it), until they hold `limit` bytes (the last one cut there), or all of them."""
     sources, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        source = path.read_bytes()[:limit - total]
-        sources.append(source)
-        total += len(source)
-        if total >= limit:
-            break
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if "site-packages" in path.relative_to(root).parts:
+                continue
+            source = path.read_bytes()[:limit - total]
+            sources.append(source)
+            total += len(source)
+            if total >= limit:
+                return sources
     return sources
+
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources(limit: int) -> list[bytes]:
+    """The standard library's .py files in a fixed order, until they hold `limit` bytes."""
+    return python_sources(limit, [STDLIB])
 
 
 def as_tokens(text: bytes) -> torch.Tensor:

@@ -14,9 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-from convergence import (epochs, interval, ordered_runs, parse_args, resumed_runs, study_settings,  # noqa: E402
+from convergence import (interval, ordered_runs, parse_args, resumed_runs, study_settings,  # noqa: E402
                          summarize, train_and_held_out, window_starts, windows)
-from gpt import stdlib_sources  # noqa: E402
+from gpt import STDLIB, python_sources, stdlib_sources  # noqa: E402
 
 
 def test_paired_gap_interval_is_students_t_over_the_seeds():
@@ -46,6 +46,15 @@ def test_summary_pairs_each_variant_with_zero3_seed_by_seed():
     partial = summarize({"zero3": runs["zero3"][1:], "qgz": runs["qgz"]}, window=2)
     assert partial["qgz"]["final_gap"] == pytest.approx(0.01) and partial["qgz"]["seeds"] == [0, 1, 2]
     assert math.isnan(summarize({"qgz": runs["qgz"]}, window=2)["qgz"]["final_gap"])
+    assert "grad_norm_mean" not in table["qgz"]  # runs recorded before gradient norms were
+
+
+def test_summary_reports_the_gradient_norm_and_how_often_clipping_shortened_a_step():
+    runs = {"zero3": [{**run(seed, 1.0, 2.0), "grad_norms": [0.5, 1.5, 0.9, 2.0]} for seed in (0, 1)]}
+    runs["zero3"][1]["grad_norms"] = [0.5, 0.5, 0.5, 0.5]
+    row = summarize(runs, window=2)["zero3"]
+    assert row["grad_norm_mean"] == pytest.approx((1.225 + 0.5) / 2)
+    assert row["clipped_fraction"] == pytest.approx((0.5 + 0.0) / 2)
 
 
 def test_a_launch_may_run_any_part_of_the_study():
@@ -104,7 +113,11 @@ def test_training_reads_every_window_once_per_epoch_in_a_seeded_order():
         window_starts(8, seq, 1, seed=0)
 
 
-def test_the_llama_study_trains_under_one_epoch_of_the_library():
-    args = parse_args(["--model", "llama", "--steps", "2000", "--batch", "8"])
-    assert epochs(args, world=2, n_bytes=9_600_000) < 1  # the GPU machines' library: 9.6 MB trained on
-    assert epochs(parse_args(["--model", "llama", "--steps", "2000"]), world=2, n_bytes=9_600_000) > 1.5
+def test_the_torch_corpus_goes_on_after_the_whole_standard_library():
+    stdlib = sum(map(len, stdlib_sources(10**9)))
+    train, held_out = train_and_held_out(stdlib + 300_000, "stdlib+torch")
+    assert len(train) + len(held_out) == stdlib + 300_000
+    sources = python_sources(stdlib + 300_000, [STDLIB, Path(torch.__file__).parent])
+    torch_init = (Path(torch.__file__).parent / "__init__.py").read_bytes()
+    assert any(source == torch_init[:len(source)] for source in sources[-400:])
+    assert torch.equal(train_and_held_out(1_000_000, "stdlib+torch")[0], train_and_held_out(1_000_000)[0])
