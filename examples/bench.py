@@ -700,9 +700,12 @@ def release_deepspeed(engine: Any) -> None:
       which keeps the model, and what it refers to, allocated in every later variant;
     - it replaces `torch.nn.functional.linear` with its own autograd function for good, so every
       later variant would run DeepSpeed's linear (other graphs, so zeropp's compile caches miss);
-    - with ZeRO++'s quantized paths the engine stays referenced from outside Python's reach, so
-      its optimizer's and its own attributes are dropped, which frees their memory."""
+    - with ZeRO++'s quantized paths the engine and its model stay referenced from outside Python's
+      reach, so its optimizer's and its own attributes are dropped, and the partitions its
+      parameters carry (`ds_tensor` and DeepSpeed's other attributes), which frees their memory."""
     engine.destroy()
+    for param in engine.module.parameters():
+        vars(param).clear()
     offload = importlib.import_module("deepspeed.runtime.zero.parameter_offload")
     stack = getattr(offload, "FWD_MODULE_STACK", None)
     if stack is not None:
@@ -749,16 +752,17 @@ def describe_referrers(obj: Any, depth: int = 4) -> str:
 
 
 def describe_cuda_tensors(count: int = 5) -> str:
-    """The largest live CUDA tensors, each with the types of the objects that refer to it (for a
-    dict, the object whose attributes it holds): where a released variant's memory is kept. Plain
-    tensors and parameters only: a tensor subclass (DTensor, a compiler's fake tensor) holds its
-    memory, if any, in plain tensors of its own."""
+    """The largest live CUDA storages, each by its largest tensor with the types of the objects that
+    refer to that (for a dict, the object whose attributes it holds): where a released variant's
+    memory is kept. Plain tensors and parameters only: a tensor subclass (DTensor, a compiler's fake
+    tensor) holds its memory, if any, in plain tensors of its own."""
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
         warnings.simplefilter("ignore")
         live = [o for o in gc.get_objects() if type(o) in (torch.Tensor, nn.Parameter) and o.is_cuda]
-    tensors = sorted(live, key=lambda t: t.untyped_storage().nbytes(), reverse=True)[:count]
-    del live
+    by_storage = {t.untyped_storage().data_ptr(): t for t in sorted(live, key=lambda t: t.numel())}
+    tensors = sorted(by_storage.values(), key=lambda t: t.untyped_storage().nbytes(), reverse=True)[:count]
+    del live, by_storage
     lines = []
     for t in tensors:
         holders = []

@@ -195,7 +195,9 @@ def brute_force_exposed(kernels: list[tuple[str, int, int]]) -> int:
 def released_deepspeed_engine_frees(rank: int, world_size: int) -> dict:
     """A DeepSpeed ZeRO-3 engine trained one step, then ended by `engine.destroy()` alone or by the
     benchmark's `release_deepspeed`: is its model (and optimizer) still alive, and is
-    `torch.nn.functional.linear` still DeepSpeed's?"""
+    `torch.nn.functional.linear` still DeepSpeed's? And where something else keeps the model alive
+    (with ZeRO++'s quantized paths, DeepSpeed's hooks do), do its parameters still hold their
+    partitions?"""
     import gc
     import weakref
 
@@ -220,6 +222,13 @@ def released_deepspeed_engine_frees(rank: int, world_size: int) -> dict:
         del model, engine, _
         gc.collect()
         alive[how] = [ref() is not None for ref in refs] + [torch.nn.functional.linear is not torch_linear]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    partitions = [weakref.ref(param.ds_tensor) for param in model.parameters()]
+    release_deepspeed(engine)
+    del engine, _
+    gc.collect()
+    alive["partitions of a model kept alive"] = [ref() is not None for ref in partitions]
     return alive
 
 
@@ -228,7 +237,8 @@ def test_a_released_deepspeed_engine_frees_its_model_and_optimizer():
     for alive in run_ranks(released_deepspeed_engine_frees, WORLD):
         # destroy() alone leaves both on DeepSpeed's module stack (what the later variants ran short of),
         # and its linear in torch's place (what later variants then ran).
-        assert alive == {"destroy": [True, True, True], "release_deepspeed": [False, False, False]}, alive
+        assert alive == {"destroy": [True, True, True], "release_deepspeed": [False, False, False],
+                         "partitions of a model kept alive": [False] * 4}, alive
 
 
 def test_exposed_communication_is_comm_time_not_covered_by_compute():
