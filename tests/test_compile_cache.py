@@ -302,12 +302,14 @@ def _restart_warnings(rank: int, world_size: int) -> dict[str, list[str]]:
     from zpp_compile import compile_cache
 
     sharded = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (world_size,)), [Shard(0)])
-    cases = {"seed unset": ({}, [sharded]), "seed fixed": ({"PYTHONHASHSEED": "0"}, [sharded]),
-             "no DTensor": ({}, [torch.ones(4)])}
+    cases = {"seed unset": ({}, [sharded], True), "seed fixed": ({"PYTHONHASHSEED": "0"}, [sharded], True),
+             "no DTensor": ({}, [torch.ones(4)], True),
+             "seed fixed, Python 3.11": ({"PYTHONHASHSEED": "0"}, [sharded], False)}
     seen = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compile_cache, "_dtensor_cache_keys_stable", lambda: False)  # as on torch 2.11
-        for case, (env, inputs) in cases.items():
+        for case, (env, inputs, none_hash_stable) in cases.items():
+            patch.setattr(compile_cache, "_none_hash_stable", lambda stable=none_hash_stable: stable)
             patch.delenv("PYTHONHASHSEED", raising=False)
             for name, value in env.items():
                 patch.setenv(name, value)
@@ -318,7 +320,8 @@ def _restart_warnings(rank: int, world_size: int) -> dict[str, list[str]]:
     return seen
 
 
-def test_a_torch_whose_cache_keys_differ_per_process_warns_to_fix_the_hash_seed():
+def test_a_torch_whose_cache_keys_differ_per_process_warns_to_fix_the_hash_seed_or_the_python():
     seen = run_ranks(_restart_warnings, 1)[0]
     assert len(seen["seed unset"]) == 1 and "PYTHONHASHSEED=0" in seen["seed unset"][0]
     assert seen["seed fixed"] == [] and seen["no DTensor"] == []
+    assert len(seen["seed fixed, Python 3.11"]) == 1 and "Python 3.12" in seen["seed fixed, Python 3.11"][0]

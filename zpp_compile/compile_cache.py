@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import secrets
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -181,22 +182,30 @@ class PassCache:
 
 def warn_if_restarts_retrace(example_inputs: Sequence[Any]) -> None:
     """Warns where a restarted job would trace and partition the whole step again: torch versions
-    whose AOTAutograd cache key of a DTensor input holds its device mesh's Python hash (randomized
-    per process unless PYTHONHASHSEED is fixed) miss that cache in every new process."""
-    if _dtensor_cache_keys_stable() or os.environ.get("PYTHONHASHSEED", "random") != "random":
+    whose AOTAutograd cache key of a DTensor input holds its device mesh's Python hash miss that
+    cache in every new process where the hash is randomized: unless PYTHONHASHSEED is fixed, and
+    before Python 3.12 whatever it is (the mesh's hash covers None fields, and hash(None) was the
+    object's address)."""
+    if _dtensor_cache_keys_stable() or not any(isinstance(x, DTensor) for x in example_inputs):
         return
-    if any(isinstance(x, DTensor) for x in example_inputs):
-        warnings.warn(
-            f"torch {torch.__version__} keys AOTAutograd's cache on a per-process hash of the sharded parameters' "
-            "device mesh, so a restarted job traces and partitions the whole step again (Inductor's FX graph "
-            "cache still serves the compiled code); launch with a fixed PYTHONHASHSEED (e.g. "
-            "`PYTHONHASHSEED=0 torchrun ...`) or use a torch with stable DTensor cache keys (2.13 has them)",
-            stacklevel=2,
-        )
+    retraces = f"torch {torch.__version__} keys AOTAutograd's cache on a per-process hash of the sharded " \
+               "parameters' device mesh, so a restarted job traces and partitions the whole step again " \
+               "(Inductor's FX graph cache still serves the compiled code)"
+    if not _none_hash_stable():
+        warnings.warn(f"{retraces}: on Python {sys.version_info.major}.{sys.version_info.minor} even with a fixed "
+                      "PYTHONHASHSEED; use Python 3.12 or later with `PYTHONHASHSEED=0`, or a torch with stable "
+                      "DTensor cache keys (2.13 has them)", stacklevel=2)
+    elif os.environ.get("PYTHONHASHSEED", "random") == "random":
+        warnings.warn(f"{retraces}; launch with a fixed PYTHONHASHSEED (e.g. `PYTHONHASHSEED=0 torchrun ...`) "
+                      "or use a torch with stable DTensor cache keys (2.13 has them)", stacklevel=2)
 
 
 def _dtensor_cache_keys_stable() -> bool:
     return hasattr(DTensor, "_stable_hash_for_caching")
+
+
+def _none_hash_stable() -> bool:
+    return sys.version_info >= (3, 12)
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
