@@ -197,11 +197,11 @@ def window_starts(n_bytes: int, seq: int, count: int, seed: int) -> torch.Tensor
     """Where the first `count` training sequences start: the data cut into consecutive windows of
     `seq` bytes, in a seeded random order, every window once before any is taken again (a new
     order per epoch), so a study shorter than one epoch never trains on a byte twice."""
-    per_pass = (n_bytes - 1) // seq
-    if per_pass < 1:
+    per_epoch = (n_bytes - 1) // seq
+    if per_epoch < 1:
         raise ValueError(f"{n_bytes} bytes of training text hold no sequence of {seq} + 1 bytes")
     g = torch.Generator().manual_seed(seed)
-    orders = [torch.randperm(per_pass, generator=g) for _ in range(math.ceil(count / per_pass))]
+    orders = [torch.randperm(per_epoch, generator=g) for _ in range(math.ceil(count / per_epoch))]
     return torch.cat(orders)[:count] * seq
 
 
@@ -263,7 +263,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], window: int) -> dict[str, d
             row[f"{measure}_gap"], row[f"{measure}_gap_low"], row[f"{measure}_gap_high"] = (
                 interval(gaps) if gaps else (math.nan,) * 3)
         norms = [run["grad_norms"] for run in seeded if "grad_norms" in run]
-        if norms:  # quantization noise makes the norm larger, so clipping shortens more steps
+        if norms:  # a noisier gradient has a larger norm, which clipping cuts more often
             row["grad_norm_mean"] = statistics.fmean(statistics.fmean(n) for n in norms)
             row["clipped_fraction"] = statistics.fmean(statistics.fmean(x > CLIP_NORM for x in n) for n in norms)
         out[name] = row
@@ -294,8 +294,8 @@ STUDY_SETTINGS = ("model", "dim", "layers", "heads", "kv_heads", "seq", "batch",
 
 
 def study_settings(args: argparse.Namespace, world: int, bytes_read: int) -> dict[str, Any]:
-    """The settings that make launches one study; `bytes_read` is what the standard library held,
-    which is less than --data-bytes where the library is smaller (it differs between Pythons)."""
+    """The settings that make launches one study; `bytes_read` is what the corpus held, which is
+    less than --data-bytes where it is smaller (it differs between Pythons and torch versions)."""
     return {**{key: getattr(args, key) for key in STUDY_SETTINGS}, "world": world, "bytes_read": bytes_read,
             "held_out": f"every {HELD_OUT_EVERY}th file", "training_order": "every window once per epoch"}
 
