@@ -11,7 +11,7 @@ import torch
 import zpp_compile as zpp
 from distributed import device, in_turn, run_ranks
 from models import TinyTransformer, batches
-from training import PER_RANK, STEPS, needs_4_ranks, qwz_runs, saved_tensor_shapes, train_sharded
+from training import PER_RANK, STEPS, needs_4_ranks, qwz_runs, saved_tensor_shapes, train, train_sharded
 
 TWO_NODES = {"ranks_per_node": 2, "hpz_partition_size": 2}
 FULL_LOCAL_COPY = {"hpz_partition_size": 1}
@@ -27,6 +27,7 @@ def runs(world_size: int) -> dict[str, tuple]:
             "full local copy gathers": (gathers_by_graph, FULL_LOCAL_COPY),
             "saved tensors": (saved_tensor_shapes, {"hpz_partition_size": 2}),
             "eval and accumulation": (eval_and_accumulation,),
+            "kept weights against the INT8 copy": (kept_weights_against_int8_copy,),
         }
     return {
         "two nodes": (train_sharded, "aot", TWO_NODES),
@@ -144,3 +145,27 @@ def eval_and_accumulation(rank: int, world_size: int) -> None:
 
 def test_hpz_eval_and_gradient_accumulation(results):
     results(2)  # "eval and accumulation" compares with the reference on each rank
+
+
+def kept_weights_against_int8_copy(rank: int, world_size: int) -> tuple[list[str], list[bool]]:
+    """qwZ + qgZ trained with hpZ's full INT8 copy (dequantized again in backward) and with
+    forward's dequantized weights kept for backward (`reshard_after_forward=False`): the parameters
+    that end up different (backward sees the same weights either way), and whether each run's
+    forward saved INT8 codes for backward (the copy) or not (the dequantized weights)."""
+    finals, saved_codes = [], []
+    for options in (FULL_LOCAL_COPY, {"reshard_after_forward": False}):
+        torch.manual_seed(0)
+        config = zpp.Config(quantized_weights=True, quantized_gradients=True, ranks_per_node=1, **SMALL_BLOCKS,
+                            **options)
+        model = zpp.shard(TinyTransformer().to(device()), config)
+        compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
+        dtypes = set()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: dtypes.add(t.dtype) or t, lambda t: t):
+            train(model, batches(STEPS, world_size, PER_RANK), compiled, slice(rank * PER_RANK, (rank + 1) * PER_RANK))
+        finals.append(zpp.full_state_dict(model))
+        saved_codes.append(torch.uint8 in dtypes)
+    return [key for key, value in finals[0].items() if not torch.equal(value, finals[1][key])], saved_codes
+
+
+def test_kept_dequantized_weights_train_exactly_as_the_int8_copy(results):
+    assert [returned["kept weights against the INT8 copy"] for returned in results(2)] == [([], [True, False])] * 2
