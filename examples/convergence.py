@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 import zpp_compile as zpp
 from bench import write_json  # examples/bench.py
 from gpt import (STDLIB, GPT, GPTConfig, as_tokens, batch, emulated_ranks_per_node, init_distributed,  # examples/gpt.py
-                 python_sources)
+                 python_sources, windows)
 
 VARIANT_NAMES = ("zero3", "qwz", "qgz", "all3", "qgz_int4")
 CLIP_NORM = 1.0  # gradient clipping
@@ -203,13 +203,6 @@ def window_starts(n_bytes: int, seq: int, count: int, seed: int) -> torch.Tensor
     g = torch.Generator().manual_seed(seed)
     orders = [torch.randperm(per_epoch, generator=g) for _ in range(math.ceil(count / per_epoch))]
     return torch.cat(orders)[:count] * seq
-
-
-def windows(data: torch.Tensor, starts: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input and target sequences (the target one byte on) of the windows at `starts`."""
-    x = torch.stack([data[s:s + seq] for s in starts.tolist()])
-    y = torch.stack([data[s + 1:s + seq + 1] for s in starts.tolist()])
-    return x, y
 
 
 def epochs(args: argparse.Namespace, world: int, n_bytes: int) -> float:

@@ -107,7 +107,11 @@ def batch(data: torch.Tensor, step: int, rank: int, world: int, per_rank: int, s
     """Rank `rank`'s sequences for `step`: a seeded draw shared by all ranks, sliced per rank."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     every_start = torch.randint(0, len(data) - seq - 1, (world * per_rank,), generator=g)
-    starts = every_start[rank * per_rank:(rank + 1) * per_rank]
+    return windows(data, every_start[rank * per_rank:(rank + 1) * per_rank], seq)
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input and target sequences (the target one byte on) of the windows at `starts`."""
     x = torch.stack([data[s:s + seq] for s in starts.tolist()])
     y = torch.stack([data[s + 1:s + seq + 1] for s in starts.tolist()])
     return x, y

@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
 from convergence import (interval, ordered_runs, parse_args, resumed_runs, study_settings,  # noqa: E402
-                         summarize, train_and_held_out, window_starts, windows)
-from gpt import STDLIB, python_sources, stdlib_sources  # noqa: E402
+                         summarize, train_and_held_out, window_starts)
+from gpt import STDLIB, python_sources, stdlib_sources, windows  # noqa: E402
 
 
 def test_paired_gap_interval_is_students_t_over_the_seeds():
