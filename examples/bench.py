@@ -22,9 +22,9 @@ Variants (each a fresh model from the same seed, trained on the same batches):
     fsdp2_bf16_reduce  FSDP2, reshard after forward, bf16 reduction
     fsdp2_no_reshard   FSDP2, weights kept from forward to backward, bf16 reduction
     zero3 qwz hpz qgz all3   zeropp: plain ZeRO-3, each technique alone, all three
-    qwz_qgz_kept       zeropp qwZ + qgZ with forward's dequantized weights kept for backward
-                       (Config.reshard_after_forward=False): no backward gather, as hpZ with a
-                       group of one rank, with a bf16 copy instead of hpZ's INT8 one
+    all3_bf16_copy     all3 with hpZ's copy holding the dequantized bf16 weights instead of the
+                       INT8 blocks (Config.hpz_quantized_copy=False): nothing to dequantize in
+                       backward, for twice the copy's memory
     zero3_graphs all3_graphs zero3 and all3 with Config.cuda_graphs (GPUs only)
     deepspeed_zero3    DeepSpeed ZeRO-3, bf16, its fused AdamW (when deepspeed is installed)
     deepspeed_zeropp   DeepSpeed ZeRO++: zero_quantized_weights, zero_hpz_partition_size = ranks
@@ -153,10 +153,8 @@ def all_variants(hpz_size: int, zpp_reduce: torch.dtype, ranks_per_node: int = 1
         Variant("hpz", f"zeropp hpZ={hpz_size}", "zeropp", True, zpp_reduce, hpz),
         Variant("qgz", "zeropp qgZ", "zeropp", False, zpp_reduce, qgz),
         Variant("all3", f"zeropp qwZ+hpZ={hpz_size}+qgZ", "zeropp", True, zpp_reduce, {**qwz, **hpz, **qgz}),
-        # Forward's dequantized weights kept for backward: hpZ's bytes where its group is one rank,
-        # without backward dequantizing its INT8 copy, at the memory of a bf16 copy.
-        Variant("qwz_qgz_kept", "zeropp qwZ+qgZ, weights kept", "zeropp", True, zpp_reduce,
-                {**qwz, **qgz, "reshard_after_forward": False}),
+        Variant("all3_bf16_copy", f"zeropp qwZ+hpZ={hpz_size}+qgZ, bf16 copy", "zeropp", True, zpp_reduce,
+                {**qwz, **hpz, **qgz, "hpz_quantized_copy": False}),
         Variant("zero3_graphs", "zeropp ZeRO-3, CUDA graphs", "zeropp", False, zpp_reduce, graphs),
         Variant("all3_graphs", f"zeropp qwZ+hpZ={hpz_size}+qgZ, CUDA graphs", "zeropp", True, zpp_reduce,
                 {**qwz, **hpz, **qgz, **graphs}),

@@ -18,9 +18,11 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
     the gathered weight as the secondary copy (tagged MUST_SAVE); backward gathers the copies of
     its secondary group (consecutive ranks, normally one node) and rebuilds the weight; the casts
     and views that backward applied to the weight are repeated on the rebuilt one. After qwZ
-    (`quantize_weights`) the copy is cut from the received INT8 blocks and scales: half the memory
-    and intra-node traffic, and backward sees exactly the weights forward used. With a group of
-    one rank the copy is the whole gathered buffer and backward gathers nothing.
+    (`quantize_weights`) the copy is cut from the received INT8 blocks and scales (half the memory
+    and intra-node traffic), or with `hpz_quantized_copy=False` from the dequantized weight (no
+    dequantizing in backward); either way backward sees exactly the weights forward used. With a
+    group of one rank the copy is the whole buffer itself, kept rather than copied, and backward
+    gathers nothing.
     """
     config, topology = ctx.config, ctx.topology
     members = config.hpz_partition_size
@@ -37,13 +39,19 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         first_backward_use = min(backward_users, key=order.__getitem__)
 
-        # Forward: the copy is cut from the gathered buffer (packed bytes with qwZ).
+        # Forward: the copy is cut from the gathered buffer (packed bytes with qwZ, unless the
+        # copy holds the dequantized weight).
         weight = gather.weight
+        block_size = gather.block_size if config.hpz_quantized_copy else 0
+        source = gather.gathered if block_size else weight
         users = set(weight.users)  # before the copy's own nodes start reading the weight
-        copy = insert_traced(graph, weight.next, secondary_slice, gather.gathered, member, members)
+        if members == 1:
+            copy = source
+        else:
+            copy = insert_traced(graph, weight.next, secondary_slice, source, member, members)
         copy.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         copy.meta["zpp_secondary_copy"] = True
-        with graph.inserting_after(copy):
+        with graph.inserting_after(weight if copy is source else copy):
             kept = graph.call_function(torch.ops.zpp.with_secondary_copy.default, (weight, copy))
         kept.meta.update(val=weight.meta["val"], recompute=CheckpointPolicy.MUST_RECOMPUTE)
         weight.replace_all_uses_with(kept, delete_user_cb=users.__contains__)
@@ -51,7 +59,7 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
         # Backward: the weight rebuilt from the secondary group, and the chain repeated on it.
         chain = [kept, *chain[1:]]
         rebuilt = {kept: insert_traced(
-            graph, first_backward_use, gather_secondary, copy, members, secondary, gather.shard_size, gather.block_size,
+            graph, first_backward_use, gather_secondary, copy, members, secondary, gather.shard_size, block_size,
             gather.dtype)}
         with graph.inserting_before(first_backward_use):
             for node in chain[1:]:

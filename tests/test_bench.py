@@ -102,22 +102,22 @@ def test_zeropp_ledger_matches_the_shapes(bench_json):
     bf16_gather, qwz_gather = 2 * sum(sizes), sum(qwz_gather_bytes(s) for s in sizes)
     phase = lambda name, which: results[name]["phases"][which]["inter_bytes"]  # noqa: E731
     forward, backward, gradient = "forward weight gather", "backward weight gather", "gradient reduction"
-    for name in ("zero3", "qwz", "hpz", "qgz", "all3", "qwz_qgz_kept"):
+    for name in ("zero3", "qwz", "hpz", "qgz", "all3", "all3_bf16_copy"):
         assert results[name]["bytes_source"] == "ledger" and results[name]["intra_bytes"] == 0  # 1 rank per node
     # Forward gathers every parameter once, the embedding tied to the head included (gather_once):
     # bf16, or INT8 blocks + scales under qwZ.
     for name in ("zero3", "hpz", "qgz"):
         assert phase(name, forward) == bf16_gather
-    assert phase("qwz", forward) == phase("all3", forward) == phase("qwz_qgz_kept", forward) == qwz_gather
+    assert phase("qwz", forward) == phase("all3", forward) == phase("all3_bf16_copy", forward) == qwz_gather
     # Every gradient is reduced once, the tied embedding's too: the other rank sends its part of each shard.
     itemsize = torch.empty((), dtype=getattr(torch, results["zero3"]["reduce_dtype"])).element_size()
     assert phase("zero3", gradient) == itemsize * sum(sizes)
-    # hpZ of 1 rank keeps a full copy, and kept weights are one: backward gathers nothing across nodes.
-    assert phase("hpz", backward) == phase("all3", backward) == phase("qwz_qgz_kept", backward) == 0
+    # hpZ of 1 rank keeps a full copy (INT8 or bf16): backward gathers nothing across nodes.
+    assert phase("hpz", backward) == phase("all3", backward) == phase("all3_bf16_copy", backward) == 0
     assert 0 < phase("zero3", backward) <= bf16_gather and 0 < phase("qwz", backward) <= qwz_gather
     # qgZ's INT4 all-to-all moves less than a bf16 reduce-scatter.
     assert phase("qgz", gradient) < phase("zero3", gradient)
-    assert phase("all3", gradient) == phase("qwz_qgz_kept", gradient) == phase("qgz", gradient)
+    assert phase("all3", gradient) == phase("all3_bf16_copy", gradient) == phase("qgz", gradient)
 
     # Plain ZeRO-3 against the paper's 3M: Linear weights follow it exactly; embeddings and 1-D
     # parameters may skip the backward gather (their gradient does not read them): at most one

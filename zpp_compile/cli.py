@@ -242,7 +242,9 @@ def _explain(args: argparse.Namespace) -> int:
 def _describe(config: Config, stored: torch.dtype) -> str:
     qgz = f"INT{config.intra_node_gradient_bits}/INT{config.gradient_bits}" if config.quantized_gradients else "off"
     parts = [f"qwZ {'INT8' if config.quantized_weights else 'off'}",
-             f"hpZ {config.hpz_partition_size or 'off'}",
+             f"hpZ {config.hpz_partition_size or 'off'}"
+             + (" (dequantized copy)" if config.hpz_partition_size and config.quantized_weights
+                and not config.hpz_quantized_copy else ""),
              f"qgZ {qgz}",
              f"weights {str(config.param_dtype or stored).removeprefix('torch.')}",
              f"reduce {str(config.reduce_dtype).removeprefix('torch.')}"]

@@ -93,6 +93,10 @@ class Config:
     # hpZ: 0 = off (backward re-gathers from all ranks); k = a secondary copy sharded over groups
     # of k consecutive ranks (normally the ranks of one node); 1 = a full copy on every rank.
     hpz_partition_size: int = 0
+    # With qwZ, what the secondary copy holds: True = the received INT8 blocks and scales (half the
+    # memory and intra-node bytes, dequantized again in backward); False = the dequantized weights
+    # (twice the memory, nothing to dequantize in backward). Backward sees the same weights either way.
+    hpz_quantized_copy: bool = True
     # qgZ: gradient reduce-scatter as a two-hop quantized all-to-all.
     quantized_gradients: bool = False
     gradient_bits: int = 4  # inter-node hop
@@ -145,8 +149,8 @@ class Config:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for key in ("quantized_weights", "quantized_gradients", "reshard_after_forward", "inductor", "cuda_graphs",
-                    "compile_layers_once"):
+        for key in ("quantized_weights", "hpz_quantized_copy", "quantized_gradients", "reshard_after_forward",
+                    "inductor", "cuda_graphs", "compile_layers_once"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"Config.{key}={getattr(self, key)!r} must be True or False")
         for key in ("weight_block_size", "gradient_block_size"):

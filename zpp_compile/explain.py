@@ -107,8 +107,10 @@ def predict(config: Config, n_params: int, world_size: int, ranks_per_node: int,
     if hpz:
         members = config.hpz_partition_size
         same, other = link.peers_of_first(members)
-        part = world_size * per_peer // members  # the secondary copy: the gathered buffer split over the group
-        backward = PhaseVolume(PHASES[1], "hpZ", weight_m if other else 0.0, same * part, other * part)
+        kept_quantized = quantized and config.hpz_quantized_copy
+        copy_peer, copy_m = (per_peer, weight_m) if kept_quantized else (shard * param_bytes, param_bytes / 2)
+        part = world_size * copy_peer // members  # the secondary copy: the gathered weights split over the group
+        backward = PhaseVolume(PHASES[1], "hpZ", copy_m if other else 0.0, same * part, other * part)
     elif "reshard_after_forward" in on:
         backward = PhaseVolume(PHASES[1], forward.technique, forward.paper_m, forward.intra_bytes, forward.inter_bytes)
     else:
