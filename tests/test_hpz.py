@@ -27,7 +27,8 @@ def runs(world_size: int) -> dict[str, tuple]:
             "full local copy gathers": (gathers_by_graph, FULL_LOCAL_COPY),
             "saved tensors": (saved_tensor_shapes, {"hpz_partition_size": 2}),
             "eval and accumulation": (eval_and_accumulation,),
-            "copies against the INT8 copy": (copies_against_int8_copy,),
+            "copies against the INT8 copy": (copies_against_int8_copy, (
+                FULL_LOCAL_COPY, {**FULL_LOCAL_COPY, "hpz_quantized_copy": False}, {"reshard_after_forward": False})),
         }
     return {
         "two nodes": (train_sharded, "aot", TWO_NODES),
@@ -36,6 +37,8 @@ def runs(world_size: int) -> dict[str, tuple]:
         "two node gathers with qwz, dequantized copy": (
             gathers_by_graph, {**TWO_NODES, **SMALL_BLOCKS, "quantized_weights": True, "hpz_quantized_copy": False}),
         "with qwz": (qwz_runs, 2, {"hpz_partition_size": 2}, ("aot",)),
+        "two node copies against the INT8 copy": (copies_against_int8_copy, (
+            TWO_NODES, {**TWO_NODES, "hpz_quantized_copy": False})),
     }
 
 
@@ -154,18 +157,18 @@ def test_hpz_eval_and_gradient_accumulation(results):
     results(2)  # "eval and accumulation" compares with the reference on each rank
 
 
-def copies_against_int8_copy(rank: int, world_size: int) -> tuple[list[list[str]], list[bool]]:
-    """qwZ + qgZ trained with hpZ's full INT8 copy (dequantized again in backward), with the
-    dequantized weights as the copy (`hpz_quantized_copy=False`), and with forward's dequantized
-    weights kept for backward without hpZ (`reshard_after_forward=False`): per run after the
-    first, the parameters that end up different from the first's (backward sees the same weights
-    every way), and whether each run's forward saved INT8 codes for backward."""
+def copies_against_int8_copy(rank: int, world_size: int, configs: tuple[dict, ...]
+                             ) -> tuple[list[list[str]], list[bool]]:
+    """qwZ + qgZ trained with each of `configs`, the first hpZ's INT8 copy (dequantized again in
+    backward), the others the dequantized weights as the copy (`hpz_quantized_copy=False`) or kept
+    for backward without hpZ (`reshard_after_forward=False`): per run after the first, the
+    parameters that end up different from the first's (backward sees the same weights every way),
+    and whether each run's forward saved INT8 codes for backward."""
     finals, saved_codes = [], []
-    dequantized_copy = {**FULL_LOCAL_COPY, "hpz_quantized_copy": False}
-    for options in (FULL_LOCAL_COPY, dequantized_copy, {"reshard_after_forward": False}):
+    for options in configs:
         torch.manual_seed(0)
-        config = zpp.Config(quantized_weights=True, quantized_gradients=True, ranks_per_node=1, **SMALL_BLOCKS,
-                            **options)
+        config = zpp.Config(quantized_weights=True, quantized_gradients=True, **SMALL_BLOCKS,
+                            **{"ranks_per_node": 1, **options})
         model = zpp.shard(TinyTransformer().to(device()), config)
         compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
         dtypes = set()
@@ -179,5 +182,13 @@ def copies_against_int8_copy(rank: int, world_size: int) -> tuple[list[list[str]
 
 
 def test_dequantized_copies_train_exactly_as_the_int8_copy(results):
-    expected = ([[], []], [True, False, False])  # nothing differs; only the INT8 copy saves codes
+    # A full copy on each rank, against the dequantized copy and the kept weights: nothing differs,
+    # and only the INT8 copy saves codes.
+    expected = ([[], []], [True, False, False])
     assert [returned["copies against the INT8 copy"] for returned in results(2)] == [expected] * 2
+
+
+@needs_4_ranks
+def test_dequantized_copy_gathered_in_the_node_trains_exactly_as_the_int8_copy(results):
+    expected = ([[]], [True, False])
+    assert [returned["two node copies against the INT8 copy"] for returned in results(4)] == [expected] * 4
