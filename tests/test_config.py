@@ -50,6 +50,7 @@ def test_json_round_trip(tmp_path):
         ({"hpz_partition_size": -2}, "Config.hpz_partition_size=-2 must be 0"),
         ({"ranks_per_node": 0}, "Config.ranks_per_node=0 must be a positive integer"),
         ({"quantized_weights": "yes"}, "Config.quantized_weights='yes' must be True or False"),
+        ({"hpz_quantized_copy": 0}, "Config.hpz_quantized_copy=0 must be True or False"),
         ({"collective_timeout_s": 0}, "Config.collective_timeout_s=0 must be a positive number"),
         ({"zero_quantized_weights": True, "quantized_weights": False}, "keep one"),
         ({"inductor_options": {"combo_kernel": True}},
