@@ -188,9 +188,9 @@ def warn_if_restarts_retrace(example_inputs: Sequence[Any]) -> None:
     object's address)."""
     if _dtensor_cache_keys_stable() or not any(isinstance(x, DTensor) for x in example_inputs):
         return
-    retraces = f"torch {torch.__version__} keys AOTAutograd's cache on a per-process hash of the sharded " \
-               "parameters' device mesh, so a restarted job traces and partitions the whole step again " \
-               "(Inductor's FX graph cache still serves the compiled code)"
+    retraces = (f"torch {torch.__version__} keys AOTAutograd's cache on a per-process hash of the sharded "
+                "parameters' device mesh, so a restarted job traces and partitions the whole step again "
+                "(Inductor's FX graph cache still serves the compiled code)")
     if not _none_hash_stable():
         warnings.warn(f"{retraces}: on Python {sys.version_info.major}.{sys.version_info.minor} even with a fixed "
                       "PYTHONHASHSEED; use Python 3.12 or later with `PYTHONHASHSEED=0`, or a torch with stable "
