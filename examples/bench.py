@@ -76,6 +76,7 @@ variant alike.
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import gzip
 import importlib
@@ -182,10 +183,12 @@ def _option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+    for parse in (json.loads, ast.literal_eval):  # JSON or Python: true and True alike
+        try:
+            return key, parse(value)
+        except (ValueError, SyntaxError):
+            pass
+    return key, value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

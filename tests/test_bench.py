@@ -186,6 +186,12 @@ def test_bad_model_options_are_clear_errors(capsys):
     assert "--warmup 0" in capsys.readouterr().err
 
 
+def test_zpp_options_read_json_or_python_values():
+    args = parse_args(["--zpp-option", "hpz_quantized_copy=False", "--zpp-option", "cuda_graphs=true",
+                       "--zpp-option", "weight_block_size=512"])
+    assert args.zpp_option == {"hpz_quantized_copy": False, "cuda_graphs": True, "weight_block_size": 512}
+
+
 def brute_force_exposed(kernels: list[tuple[str, int, int]]) -> int:
     """Unit time steps in which some NCCL kernel runs and no other kernel does."""
     end = max(e for _, _, e in kernels)
