@@ -69,6 +69,9 @@ variant alike.
     peer wait        (GPU) the share of step time in which a NCCL kernel waits for another rank to
                      issue the same collective and no other kernel runs (ranks whose hosts run
                      at different speeds); exposed + peer wait is all time in NCCL alone
+    GPU busy         (GPU) time per step in which some kernel other than NCCL's runs (from the
+                     profiled steps), over the timed ms/step: near 100%, the GPU's own work sets
+                     the pace, and neither the host nor the link can win time back
     host ms/step     the time the host takes to issue a step; close to ms/step when the host,
                      not the GPU, sets the pace (--trace-dir keeps the traces to see where)
 """
@@ -463,6 +466,11 @@ def exposed_communication(kernels: Iterable[tuple[str, float, float]]) -> float:
     return sum(e - s for s, e in comm) - overlap
 
 
+def compute_time(kernels: Iterable[tuple[str, float, float]]) -> float:
+    """Time in which some kernel other than NCCL's runs, from (name, start, end) records on one GPU."""
+    return sum(end - start for start, end in merged((s, e) for name, s, e in kernels if not name.startswith("nccl")))
+
+
 def transfer_only(kernels: list[tuple[str, float, float]], transfer: list[float]) -> list[tuple[str, float, float]]:
     """`kernels` with the i-th NCCL kernel cut to its last `transfer[i]` (the time it moved data,
     after every rank had joined)."""
@@ -637,11 +645,13 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     seconds, host_seconds = timed(device, lambda: train(args.steps))
     seconds = rank_max(seconds, device) / args.steps
     host_seconds = rank_max(host_seconds, device) / args.steps
-    exposed = peer_wait = None
+    exposed = peer_wait = busy = None
     if device.type == "cuda" and args.profile_steps:
         trace = os.path.join(args.trace_dir, f"{trace_name}.rank{dist.get_rank()}") if args.trace_dir else None
-        exposed, peer_wait = exposed_and_peer_wait(*profiled_kernels(lambda: train(args.profile_steps), trace))
-        exposed, peer_wait = rank_max(exposed, device), rank_max(peer_wait, device)
+        kernels, wall_us = profiled_kernels(lambda: train(args.profile_steps), trace)
+        exposed, peer_wait = exposed_and_peer_wait(kernels, wall_us)
+        busy = compute_time(kernels) / 1e6 / args.profile_steps / seconds
+        exposed, peer_wait, busy = (rank_max(v, device) for v in (exposed, peer_wait, busy))
     peak = rank_max(torch.cuda.max_memory_allocated(), device) if device.type == "cuda" else None
 
     tokens_per_s = world * args.batch * args.seq / seconds
@@ -653,7 +663,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         "first_step_s": first_step_s, "warmup_s": warmup_s, "tflops_per_gpu": tflops,
         "mfu": tflops / env["peak_tflops"] if env["peak_tflops"] else None,
         "peak_memory_bytes": peak, "allocated_at_start_bytes": leftover, "exposed_comm_fraction": exposed,
-        "peer_wait_fraction": peer_wait,
+        "peer_wait_fraction": peer_wait, "gpu_busy_fraction": busy,
         "parameters": n_params,
         **comm_bytes(variant, shard_numel, world, ranks_per_node),
     }
@@ -829,8 +839,8 @@ def add_comparisons(results: list[dict[str, Any]]) -> None:
 def table(results: list[dict[str, Any]]) -> str:
     fmt = lambda v, spec: format("-", f">{spec.split('.')[0]}") if v is None else format(v, spec)  # noqa: E731
     head = (f"{'variant':<18} {'ms/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'1st s':>6} {'peak GB':>8} "
-            f"{'inter MB':>9} {'src':<8} {'inter x':>7} {'exposed':>7} {'wait':>6} {'/FSDP2':>7} {'/eq.mem':>7} "
-            f"{'(ref)':<18} {'/ZeRO-3':>7} {'mem x':>6}")
+            f"{'inter MB':>9} {'src':<8} {'inter x':>7} {'exposed':>7} {'wait':>6} {'busy':>6} {'/FSDP2':>7} "
+            f"{'/eq.mem':>7} {'(ref)':<18} {'/ZeRO-3':>7} {'mem x':>6}")
     lines = [head]
     for r in results:
         peak = r["peak_memory_bytes"] / 1e9 if r["peak_memory_bytes"] is not None else None
@@ -840,6 +850,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{fmt(r['mfu'], '6.1%')} {r['first_step_s']:>6.1f} "
             f"{fmt(peak, '8.2f')} {fmt(inter, '9.1f')} {r['bytes_source']:<8} {fmt(r['inter_ratio'], '7.3f')} "
             f"{fmt(r['exposed_comm_fraction'], '7.1%')} {fmt(r['peer_wait_fraction'], '6.1%')} "
+            f"{fmt(r['gpu_busy_fraction'], '6.1%')} "
             f"{fmt(r['vs_fsdp2_default'], '7.2f')} {fmt(r['vs_fsdp2_equal_memory'], '7.2f')} "
             f"{r['fsdp2_equal_memory'] or '-':<18} {fmt(r['vs_zero3'], '7.2f')} "
             f"{fmt(r['memory_vs_fsdp2_equal_memory'], '6.2f')}")

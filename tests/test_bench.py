@@ -23,8 +23,9 @@ import transformers
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import (LLAMA_SHAPES, default_variants, exposed_and_peer_wait, exposed_communication, llama,  # noqa: E402
-                   median_round, nccl_durations, parse_args, transfer_only, transfer_times)
+from bench import (LLAMA_SHAPES, compute_time, default_variants, exposed_and_peer_wait,  # noqa: E402
+                   exposed_communication, llama, median_round, nccl_durations, parse_args, transfer_only,
+                   transfer_times)
 from gpt import GPT, GPTConfig  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
@@ -73,9 +74,11 @@ def test_every_variant_ran(bench_json):
         assert 0 < r["first_step_s"] <= r["warmup_s"], r
         if bench_json["setup"]["device"] == "cpu":
             assert r["exposed_comm_fraction"] is None and r["peer_wait_fraction"] is None  # GPU-only figures
+            assert r["gpu_busy_fraction"] is None
             assert r["peak_memory_bytes"] is None and r["mfu"] is None
         else:
             assert 0 <= r["exposed_comm_fraction"] <= 1 and 0 <= r["peer_wait_fraction"] <= 1, r
+            assert 0 < r["gpu_busy_fraction"] <= 1.1, r  # profiled kernels against timed steps
             assert r["peak_memory_bytes"] > 0, r
         assert 0 < r["host_ms_per_step"] <= r["ms_per_step"] * 1.05, r
     assert bench_json["setup"]["ranks_per_node"] == 1 and bench_json["setup"]["hpz_partition_size"] == 1
@@ -266,6 +269,12 @@ RANK_KERNELS = [
     [("ncclDevKernel_AllGather", 0, 10), ("gemm", 10, 15), ("ncclDevKernel_ReduceScatter", 15, 25), ("gemm", 18, 20)],
     [("ncclDevKernel_AllGather", 6, 10), ("gemm", 10, 15), ("ncclDevKernel_ReduceScatter", 22, 25)],
 ]
+
+
+def test_compute_time_is_the_union_of_other_kernels():
+    kernels = [("ncclDevKernel_AllGather", 0, 30), ("gemm", 2, 5), ("triton_poi", 4, 6), ("gemm", 10, 12)]
+    assert compute_time(kernels) == 6  # 2-6 and 10-12; NCCL's 30 units count for nothing
+    assert compute_time([("ncclDevKernel_ReduceScatter", 0, 9)]) == 0
 
 
 def test_peer_wait_is_the_part_of_a_collective_before_the_last_rank_joined():
