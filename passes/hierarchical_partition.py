@@ -45,13 +45,11 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
         block_size = gather.block_size if config.hpz_quantized_copy else 0
         source = gather.gathered if block_size else weight
         users = set(weight.users)  # before the copy's own nodes start reading the weight
-        if members == 1:
-            copy = source
-        else:
-            copy = insert_traced(graph, weight.next, secondary_slice, source, member, members)
+        sliced = members > 1
+        copy = insert_traced(graph, weight.next, secondary_slice, source, member, members) if sliced else source
         copy.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         copy.meta["zpp_secondary_copy"] = True
-        with graph.inserting_after(weight if copy is source else copy):
+        with graph.inserting_after(copy if sliced else weight):
             kept = graph.call_function(torch.ops.zpp.with_secondary_copy.default, (weight, copy))
         kept.meta.update(val=weight.meta["val"], recompute=CheckpointPolicy.MUST_RECOMPUTE)
         weight.replace_all_uses_with(kept, delete_user_cb=users.__contains__)

@@ -101,14 +101,19 @@ def predict(config: Config, n_params: int, world_size: int, ranks_per_node: int,
     reduce_bytes = config.reduce_dtype.itemsize
 
     quantized = qwz and shard >= config.weight_block_size
-    per_peer = packed_weight_bytes(shard, config.weight_block_size) if quantized else shard * param_bytes
-    weight_m = 0.5 if quantized else param_bytes / 2
+
+    def weights(in_int8: bool) -> tuple[int, float]:
+        """(bytes of one rank's shard of the weights, paper volume in M), as INT8 blocks or not."""
+        if in_int8:
+            return packed_weight_bytes(shard, config.weight_block_size), 0.5
+        return shard * param_bytes, param_bytes / 2
+
+    per_peer, weight_m = weights(quantized)
     forward = PhaseVolume(PHASES[0], "qwZ" if quantized else "-", link.cross(weight_m), *link.world(per_peer))
     if hpz:
         members = config.hpz_partition_size
         same, other = link.peers_of_first(members)
-        kept_quantized = quantized and config.hpz_quantized_copy
-        copy_peer, copy_m = (per_peer, weight_m) if kept_quantized else (shard * param_bytes, param_bytes / 2)
+        copy_peer, copy_m = weights(quantized and config.hpz_quantized_copy)
         part = world_size * copy_peer // members  # the secondary copy: the gathered weights split over the group
         backward = PhaseVolume(PHASES[1], "hpZ", copy_m if other else 0.0, same * part, other * part)
     elif "reshard_after_forward" in on:
