@@ -7,11 +7,13 @@ Each entry can be switched off by name (Config.disable_passes, or `zeropp --disa
 from .base import GraphPass, PassContext
 from .bucket_collectives import bucket_collectives
 from .checkpoint_activations import checkpoint_activations
+from .fold_bucket_copies import fold_bucket_copies
 from .gather_once import gather_once
 from .hierarchical_partition import hierarchical_partition
 from .lower_collectives import lower_collectives
 from .quantize_gradients import quantize_gradients
 from .quantize_weights import quantize_weights
+from .realize_shared_values import realize_shared_values
 from .region_weights import region_weights
 from .reshard_after_forward import reshard_after_forward
 from .schedule_overlap import schedule_overlap
@@ -32,6 +34,8 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("quantize_gradients", "lowering", quantize_gradients,
               wanted=lambda config: config.quantized_gradients),
     GraphPass("lower_collectives", "lowering", lower_collectives),
+    GraphPass("fold_bucket_copies", "lowering", fold_bucket_copies),
+    GraphPass("realize_shared_values", "lowering", realize_shared_values),
     GraphPass("schedule_overlap", "lowering", schedule_overlap),
 )
 

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..runtime.buckets import member_starts
 from ..runtime.ops import gather_param_args, reduce_grad_args
 from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext, gradient_block_size, weight_block_size
 from .fx_util import gathered_param, hoist, insert_traced, layer_of, nodes_calling, sink_users
@@ -121,13 +122,15 @@ def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
 def _gather_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], group_size: int, group_name: str,
                    dtype: torch.dtype, reduce_dtype: torch.dtype, sharding_id: int,
                    *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One gather of the shards side by side (each padded to its segment); every member's
-    weight cut out of the gathered rows."""
-    flat = torch.cat([F.pad(x, (0, seg - x.numel())) for x, seg in zip(shards, segments)])
+    """One gather of the shards side by side (`zpp.join_bucket`: each padded to its segment);
+    every member's weight cut out of the gathered rows (`zpp.split_bucket`), as a view of one
+    buffer."""
+    flat = torch.ops.zpp.join_bucket(list(shards), list(segments))
     gathered = torch.ops.zpp.all_gather_param(flat, sum(segments), group_size, group_name, dtype, reduce_dtype,
                                               sharding_id)
-    rows = gathered.view(group_size, sum(segments))
-    return tuple(piece[:, :size].reshape(-1) for piece, size in zip(rows.split(segments, dim=1), sizes))
+    weights = torch.ops.zpp.split_bucket(gathered, group_size, list(segments), list(sizes))
+    starts, _ = member_starts(group_size, sizes, weights.element_size())
+    return tuple(weights[start:start + group_size * size] for start, size in zip(starts, sizes))
 
 
 def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:

@@ -19,6 +19,7 @@ from torch.fx.operator_schemas import normalize_function
 import torch.nn.functional as F
 
 from . import grad_quant, weight_quant  # noqa: F401  (register the quantization ops)
+from .buckets import join_shards, member_starts, split_rows
 from .collectives import all_gather, all_to_all, all_to_all_between_nodes, reduce_scatter_sum
 
 
@@ -115,7 +116,8 @@ def quantize_and_gather(
     shard: torch.Tensor, shard_size: int, group_size: int, group_name: str, block_size: int
 ) -> torch.Tensor:
     """The packed INT8 blocks and scales of every rank's shard, as one gathered byte buffer."""
-    packed = torch.ops.zpp.quantize_weight(F.pad(shard, (0, shard_size - shard.numel())), block_size)
+    padded = F.pad(shard, (0, shard_size - shard.numel())) if shard.numel() < shard_size else shard
+    packed = torch.ops.zpp.quantize_weight(padded, block_size)
     return torch.ops.zpp.all_gather_flat(packed, group_size, group_name)
 
 
@@ -135,6 +137,44 @@ def gather_secondary(
     if block_size:
         return torch.ops.zpp.dequantize_weight(gathered, shard_size, block_size, dtype)
     return gathered
+
+
+@torch.library.custom_op("zpp::join_bucket", mutates_args=())
+def join_bucket(shards: list[torch.Tensor], segments: list[int]) -> torch.Tensor:
+    """A bucket's shards side by side, each padded to its segment: what one gather sends.
+
+    Kept whole so that lowering can fold it into the quantization that reads it
+    (`zpp::quantize_bucket`) or else hand it to Inductor as plain copies.
+    """
+    return join_shards(shards, segments)
+
+
+@join_bucket.register_fake
+def _(shards, segments):
+    return shards[0].new_empty(sum(segments))
+
+
+def split_bucket_reference(gathered: torch.Tensor, group_size: int, segments: list[int],
+                           sizes: list[int]) -> torch.Tensor:
+    """`zpp::split_bucket` in torch ops."""
+    return split_rows(gathered.view(group_size, sum(segments)), segments, sizes)
+
+
+@torch.library.custom_op("zpp::split_bucket", mutates_args=())
+def split_bucket(gathered: torch.Tensor, group_size: int, segments: list[int], sizes: list[int]) -> torch.Tensor:
+    """A gathered bucket's weights, each flat and whole, one after another (`runtime/buckets.py`).
+
+    A bucket gather returns rank-major rows (every rank's shards of all members, side by side);
+    a member's weight is its column range of every row. This op is that copy-out, kept whole so
+    that lowering can fold it into the dequantization that produces the rows
+    (`zpp::dequantize_bucket`) or else hand it to Inductor as plain copies.
+    """
+    return split_bucket_reference(gathered, group_size, segments, sizes)
+
+
+@split_bucket.register_fake
+def _(gathered, group_size, segments, sizes):
+    return gathered.new_empty(member_starts(group_size, sizes, gathered.element_size())[1])
 
 
 @torch.library.custom_op("zpp::with_secondary_copy", mutates_args=())
@@ -276,6 +316,29 @@ class GatherFlatArgs(NamedTuple):
     group_name: str
 
 
+class JoinBucketArgs(NamedTuple):
+    """The arguments of a `zpp::join_bucket` node."""
+
+    shards: list[fx.Node]
+    segments: list[int]
+
+
+class QuantizeWeightArgs(NamedTuple):
+    """The arguments of a `zpp::quantize_weight` node."""
+
+    x: fx.Node
+    block_size: int
+
+
+class SplitBucketArgs(NamedTuple):
+    """The arguments of a `zpp::split_bucket` node."""
+
+    gathered: fx.Node
+    group_size: int
+    segments: list[int]
+    sizes: list[int]
+
+
 class DequantizeWeightArgs(NamedTuple):
     """The arguments of a `zpp::dequantize_weight` node."""
 
@@ -295,6 +358,18 @@ def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
 
 def gather_flat_args(node: fx.Node) -> GatherFlatArgs:
     return GatherFlatArgs(**_named_arguments(node, torch.ops.zpp.all_gather_flat.default))
+
+
+def join_bucket_args(node: fx.Node) -> JoinBucketArgs:
+    return JoinBucketArgs(**_named_arguments(node, torch.ops.zpp.join_bucket.default))
+
+
+def quantize_weight_args(node: fx.Node) -> QuantizeWeightArgs:
+    return QuantizeWeightArgs(**_named_arguments(node, torch.ops.zpp.quantize_weight.default))
+
+
+def split_bucket_args(node: fx.Node) -> SplitBucketArgs:
+    return SplitBucketArgs(**_named_arguments(node, torch.ops.zpp.split_bucket.default))
 
 
 def dequantize_weight_args(node: fx.Node) -> DequantizeWeightArgs:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .buckets import join_shards, member_starts, split_rows
 from .triton_common import (
     HAS_TRITON,
     SUPPORTED_DTYPES,
@@ -76,6 +77,12 @@ __all__ = [
     "dequantize_weight_reference",
     "quantize_weight_triton",
     "dequantize_weight_triton",
+    "quantize_bucket",
+    "quantize_bucket_reference",
+    "quantize_bucket_triton",
+    "dequantize_bucket",
+    "dequantize_bucket_reference",
+    "dequantize_bucket_triton",
 ]
 
 TINY_ABSMAX = 2.0**-119  # below this a block is a zero block (see module docstring)
@@ -172,6 +179,37 @@ def dequantize_weight_reference(
     return val.view(R, nb * B)[:, :n].to(dtype).reshape(-1)
 
 
+def quantize_bucket_reference(shards: list[torch.Tensor], segments: list[int], block_size: int) -> torch.Tensor:
+    """Pure-torch quantize of a bucket's shards joined side by side (`runtime/buckets.py`)."""
+    _check_bucket_layout(segments, [s.numel() for s in shards], block_size, exact=False)
+    return quantize_weight_reference(join_shards(shards, segments), block_size)
+
+
+def dequantize_bucket_reference(
+    packed: torch.Tensor, segments: list[int], sizes: list[int], block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Pure-torch dequantize of a gathered bucket straight into its members' layout: the R*n
+    values of `dequantize_weight_reference` (n = sum(segments)) as `zpp::split_bucket` splits
+    them (`runtime/buckets.py`)."""
+    _check_bucket_layout(segments, sizes, block_size, exact=True)
+    n = sum(segments)
+    return split_rows(dequantize_weight_reference(packed, n, block_size, dtype).view(-1, n), segments, sizes)
+
+
+def _check_bucket_layout(segments: list[int], sizes: list[int], block_size: int, exact: bool) -> None:
+    """Each member's `size` values must fit its segment of whole blocks. `exact`: the segment is
+    the size padded to whole blocks (a split bucket's members); otherwise it may be longer (a
+    rank's shard can be shorter than its member's size)."""
+    if len(segments) != len(sizes) or not segments:
+        raise ValueError(f"segments and sizes must be non-empty and of one length, got {segments} and {sizes}")
+    for segment, size in zip(segments, sizes):
+        padded = -(-size // block_size) * block_size
+        if size < 1 or segment % block_size or (segment != padded if exact else segment < padded):
+            need = "its size padded to" if exact else "at least its size in"
+            raise ValueError(f"each segment must be {need} whole blocks of {block_size}, got segment {segment} "
+                             f"for size {size}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels. A program owns ROWS consecutive blocks. Tile shapes are chosen so that each
 # thread holds long runs of its blocks in registers (ELEMS_PER_THREAD, 32-64 elements):
@@ -194,10 +232,65 @@ if HAS_TRITON:
         return tl.where(x != x, -128, tl.where(x == INF, 127, tl.where(x == -INF, -127, 0)))
 
     @triton.jit
-    def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n, nb, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                         C: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):
+    def _member(m, M: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7):
+        """Member m's value among v0..v7, for launches of M members (those past M are never read)."""
+        v = v0
+        if M > 1:
+            v = tl.where(m == 1, v1, v)
+        if M > 2:
+            v = tl.where(m == 2, v2, v)
+        if M > 3:
+            v = tl.where(m == 3, v3, v)
+        if M > 4:
+            v = tl.where(m == 4, v4, v)
+        if M > 5:
+            v = tl.where(m == 5, v5, v)
+        if M > 6:
+            v = tl.where(m == 6, v6, v)
+        if M > 7:
+            v = tl.where(m == 7, v7, v)
+        return v
+
+    @triton.jit
+    def _first_block(m, M: tl.constexpr, nb0, nb1, nb2, nb3, nb4, nb5, nb6):
+        """Member m's first block: the blocks of the members before it (nb0..nb6)."""
+        first = (m * 0).to(tl.int64)
+        if M > 1:
+            first += tl.where(m > 0, nb0, 0)
+        if M > 2:
+            first += tl.where(m > 1, nb1, 0)
+        if M > 3:
+            first += tl.where(m > 2, nb2, 0)
+        if M > 4:
+            first += tl.where(m > 3, nb3, 0)
+        if M > 5:
+            first += tl.where(m > 4, nb4, 0)
+        if M > 6:
+            first += tl.where(m > 5, nb5, 0)
+        if M > 7:
+            first += tl.where(m > 6, nb6, 0)
+        return first
+
+    @triton.jit
+    def _quantize_kernel(x0, x1, x2, x3, x4, x5, x6, x7, codes_ptr, scales_ptr, n0, n1, n2, n3, n4, n5, n6, n7,
+                         nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                         C: tl.constexpr, M: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (tiles, M): program (i, m) quantizes blocks [i * ROWS, (i + 1) * ROWS) of member m,
+        whose n_m elements are read from x_m and whose nb_m blocks (the last ones past n_m are
+        padding, read as 0) follow the blocks of the members before it in the packed output."""
+        pid, m = tl.program_id(0), tl.program_id(1)
+        nb = _member(m, M, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7)
+        if pid * ROWS < nb:  # members have different sizes; the grid covers the largest
+            first = _first_block(m, M, nb0, nb1, nb2, nb3, nb4, nb5, nb6)
+            _quantize_tile(_member(m, M, x0, x1, x2, x3, x4, x5, x6, x7), codes_ptr + first * BLOCK,
+                           scales_ptr + first, _member(m, M, n0, n1, n2, n3, n4, n5, n6, n7), nb, pid,
+                           BLOCK, ROWS, C, EVEN, INTERP)
+
+    @triton.jit
+    def _quantize_tile(x_ptr, codes_ptr, scales_ptr, n, nb, pid, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                       C: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):
+        """Quantizes tile `pid` (blocks [pid * ROWS, (pid + 1) * ROWS)) of n elements in nb blocks."""
         REP: tl.constexpr = BLOCK // C
-        pid = tl.program_id(0)
         # int32 offsets inside the tile, one int64 base per program
         offs = ((tl.arange(0, ROWS) * BLOCK)[:, None, None] + (tl.arange(0, REP) * C)[None, :, None]
                 + tl.arange(0, C)[None, None, :])
@@ -252,39 +345,46 @@ if HAS_TRITON:
 
     @triton.jit
     def _dequantize_kernel(
-        codes_ptr,
-        words_ptr,
-        out_ptr,
-        n,
-        nb,
-        chunk_bytes,
-        chunk_words,
-        scale_word0,
-        BLOCK: tl.constexpr,
-        ROWS: tl.constexpr,
-        G: tl.constexpr,
-        V: tl.constexpr,
-        EVEN: tl.constexpr,
-        SOFT_BF16: tl.constexpr,
+        codes_ptr, words_ptr, out_ptr, chunk_bytes, chunk_words, scale_word0,
+        n0, n1, n2, n3, n4, n5, n6, n7, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7,
+        out0, out1, out2, out3, out4, out5, out6, out7,
+        BLOCK: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr, V: tl.constexpr, M: tl.constexpr,
+        EVEN: tl.constexpr, SOFT_BF16: tl.constexpr,
     ):
-        """Grid (tiles, R): program (i, c) dequantizes blocks [i * ROWS, (i + 1) * ROWS) of chunk c.
+        """Grid (tiles, R, M): program (i, c, m) dequantizes blocks [i * ROWS, (i + 1) * ROWS) of
+        member m in chunk c.
 
             codes_ptr, words_ptr      the R packed chunks as int8 codes / as float32 words (scales)
-            out_ptr, n, nb            the output (R * n values); elements and blocks per chunk
-            chunk_bytes, chunk_words  packed_weight_bytes(n, B), in bytes / in 4-byte words
-            scale_word0               nb * B // 4: a chunk's first scale, in words
+            out_ptr                   the output
+            chunk_bytes, chunk_words  a packed chunk's size, in bytes / in 4-byte words
+            scale_word0               a chunk's first scale, in words (its blocks * B // 4)
+            n_m, nb_m, out_m          member m: elements per chunk, its blocks per chunk (after the
+                                      blocks of the members before it), where its R * n_m values start
             BLOCK, ROWS               elements per block; blocks per program
             G, V                      threads along a run of G * V elements of a block; elements
                                       per thread vector (16 bytes of output)
-            EVEN, SOFT_BF16           n is a multiple of the tile (no masks); bf16 output rounded
-                                      on the bits (the interpreter's cast truncates)
+            M                         members (one: a plain dequantization, out_0 = 0)
+            EVEN, SOFT_BF16           every n_m is a multiple of the tile (no masks); bf16 output
+                                      rounded on the bits (the interpreter's cast truncates)
         """
+        pid, chunk, m = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        nb = _member(m, M, nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7)
+        if pid * ROWS < nb:  # members have different sizes; the grid covers the largest
+            first = _first_block(m, M, nb0, nb1, nb2, nb3, nb4, nb5, nb6)
+            _dequantize_tile(codes_ptr + first * BLOCK, words_ptr + first,
+                             out_ptr + _member(m, M, out0, out1, out2, out3, out4, out5, out6, out7),
+                             _member(m, M, n0, n1, n2, n3, n4, n5, n6, n7), nb, chunk_bytes, chunk_words,
+                             scale_word0, pid, chunk, BLOCK, ROWS, G, V, EVEN, SOFT_BF16)
+
+    @triton.jit
+    def _dequantize_tile(codes_ptr, words_ptr, out_ptr, n, nb, chunk_bytes, chunk_words, scale_word0, pid, chunk,
+                         BLOCK: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr, V: tl.constexpr,
+                         EVEN: tl.constexpr, SOFT_BF16: tl.constexpr):
+        """Dequantizes tile `pid` of chunk `chunk` (n elements in nb blocks) to out_ptr + chunk * n."""
         # Tile [G, ROWS, REP, V]: element (g, r, j, v) is element j*G*V + g*V + v of block r. The
         # codes are read with the output's vector width (4 or 8 bytes), so loads and 16-byte
         # stores share one register layout: no shuffle through shared memory.
         REP: tl.constexpr = BLOCK // (G * V)
-        pid = tl.program_id(0)
-        chunk = tl.program_id(1).to(tl.int64)  # a 2-D grid: no tile straddles two chunks
         offs = ((tl.arange(0, G) * V)[:, None, None, None] + (tl.arange(0, ROWS) * BLOCK)[None, :, None, None]
                 + (tl.arange(0, REP) * (G * V))[None, None, :, None] + tl.arange(0, V)[None, None, None, :])
         start = pid.to(tl.int64) * (ROWS * BLOCK)
@@ -361,6 +461,58 @@ def triton_handles_block(block_size: int) -> bool:
     return block_size & (block_size - 1) == 0
 
 
+# Members per launch (the kernels' argument slots); a bucket of more members takes several launches.
+MAX_MEMBERS = 8
+
+
+def _slots(values: list, filler: object) -> list:
+    """`values` in the kernels' MAX_MEMBERS argument slots (the unused ones are never read)."""
+    return list(values) + [filler] * (MAX_MEMBERS - len(values))
+
+
+def _launch_quantize(shards: list[torch.Tensor], codes: torch.Tensor, scales: torch.Tensor, blocks: list[int],
+                     B: int, elems_per_program: int | None, num_warps: int | None) -> None:
+    """Quantizes each shard into its `blocks` blocks, the shards' blocks one after another in
+    codes and scales; at most MAX_MEMBERS shards per launch."""
+    first = 0
+    for group in range(0, len(shards), MAX_MEMBERS):
+        xs, nbs = shards[group:group + MAX_MEMBERS], blocks[group:group + MAX_MEMBERS]
+        rows, warps, ept = _tile("quantize", B, max(nbs), elems_per_program, num_warps)
+        # C: 16 codes (one 16-byte vector) per thread, B // ept threads per block
+        C = min(B, 16 * max(1, B // max(ept, 16)))
+        even = all(x.numel() == nb * B and nb % rows == 0 for x, nb in zip(xs, nbs))
+        _quantize_kernel[(triton.cdiv(max(nbs), rows), len(xs))](
+            *_slots(xs, xs[0]), codes[first * B:], scales[first:], *_slots([x.numel() for x in xs], 0),
+            *_slots(nbs, 0), BLOCK=B, ROWS=rows, C=C, M=len(xs), EVEN=even, INTERP=interpreting(),
+            num_warps=warps, enable_fp_fusion=False,
+        )
+        first += sum(nbs)
+
+
+def _launch_dequantize(packed: torch.Tensor, n: int, out: torch.Tensor, sizes: list[int], starts: list[int],
+                       B: int, elems_per_program: int | None, num_warps: int | None) -> None:
+    """Dequantizes each member (sizes[m] values per chunk of `packed`, whose chunks hold n values)
+    to out[starts[m]:], chunk after chunk; at most MAX_MEMBERS members per launch."""
+    packed = aligned_u8(packed)  # the scales are read as float32 words
+    chunk = packed_weight_bytes(n, B)
+    R = packed.numel() // chunk
+    codes, words = packed.view(torch.int8), packed.view(torch.float32)
+    V = 16 // out.element_size()
+    G = min(16, B // V)
+    first = 0
+    for group in range(0, len(sizes), MAX_MEMBERS):
+        ns, outs = sizes[group:group + MAX_MEMBERS], starts[group:group + MAX_MEMBERS]
+        nbs = [(size + B - 1) // B for size in ns]
+        rows, warps, _ = _tile("dequantize", B, max(nbs), elems_per_program, num_warps)
+        _dequantize_kernel[(triton.cdiv(max(nbs), rows), R, len(ns))](
+            codes[first * B:], words[first:], out, chunk, chunk // 4, (n + B - 1) // B * B // 4,
+            *_slots(ns, 0), *_slots(nbs, 0), *_slots(outs, 0), BLOCK=B, ROWS=rows, G=G, V=V, M=len(ns),
+            EVEN=all(size % (rows * B) == 0 for size in ns),
+            SOFT_BF16=(out.dtype == torch.bfloat16 and not packed.is_cuda), num_warps=warps,
+        )
+        first += sum(nbs)
+
+
 def quantize_weight_triton(
     x: torch.Tensor,
     block_size: int,
@@ -371,20 +523,12 @@ def quantize_weight_triton(
     """Triton quantize (CUDA, or CPU tensors under TRITON_INTERPRET=1); same bytes as the twin."""
     _check_quantize_args(x, block_size)
     _require_triton(block_size)
-    x = x.contiguous()
     n, B = x.numel(), block_size
     nb = (n + B - 1) // B
     packed = torch.empty(packed_weight_bytes(n, B), dtype=torch.uint8, device=x.device)
-    codes = packed[: nb * B].view(torch.int8)
-    scales = packed[nb * B :].view(torch.float32)
-    rows, warps, ept = _tile("quantize", B, nb, elems_per_program, num_warps)
-    # C: 16 codes (one 16-byte vector) per thread, B // ept threads per block
-    C = min(B, 16 * max(1, B // max(ept, 16)))
     with launch_context(x):
-        _quantize_kernel[(triton.cdiv(nb, rows),)](
-            x, codes, scales, n, nb, BLOCK=B, ROWS=rows, C=C, EVEN=(n % (rows * B) == 0),
-            INTERP=interpreting(), num_warps=warps, enable_fp_fusion=False,
-        )
+        _launch_quantize([x.contiguous()], packed[: nb * B].view(torch.int8), packed[nb * B :].view(torch.float32),
+                         [nb], B, elems_per_program, num_warps)
     return packed
 
 
@@ -400,34 +544,58 @@ def dequantize_weight_triton(
     """Triton dequantize of R concatenated packed chunks; same values as the twin."""
     R = _check_dequantize_args(packed, n, block_size, dtype)
     _require_triton(block_size)
-    B = block_size
-    nb = (n + B - 1) // B
     out = torch.empty(R * n, dtype=dtype, device=packed.device)
-    if R == 0:
-        return out
-    packed = aligned_u8(packed)  # the scales are read as float32 words
-    chunk = packed_weight_bytes(n, B)
-    rows, warps, _ = _tile("dequantize", B, nb, elems_per_program, num_warps)
-    V = 16 // out.element_size()
-    G = min(16, B // V)
-    with launch_context(packed):
-        _dequantize_kernel[(triton.cdiv(nb, rows), R)](
-            packed.view(torch.int8),
-            packed.view(torch.float32),
-            out,
-            n,
-            nb,
-            chunk,
-            chunk // 4,
-            nb * B // 4,
-            BLOCK=B,
-            ROWS=rows,
-            G=G,
-            V=V,
-            EVEN=(n % (rows * B) == 0),
-            SOFT_BF16=(dtype == torch.bfloat16 and not packed.is_cuda),
-            num_warps=warps,
-        )
+    if R > 0:
+        with launch_context(packed):
+            _launch_dequantize(packed, n, out, [n], [0], block_size, elems_per_program, num_warps)
+    return out
+
+
+def quantize_bucket_triton(
+    shards: list[torch.Tensor],
+    segments: list[int],
+    block_size: int,
+    *,
+    elems_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Triton quantize of a bucket's shards joined side by side; same bytes as the twin. The
+    shards are read in place: a segment is whole blocks, so each block holds one shard's values
+    (and the padding to the segment's end, read as zeros)."""
+    _check_bucket_layout(segments, [s.numel() for s in shards], block_size, exact=False)
+    for shard in shards:
+        _check_quantize_args(shard, block_size)
+    _require_triton(block_size)
+    B, n = block_size, sum(segments)
+    packed = torch.empty(packed_weight_bytes(n, B), dtype=torch.uint8, device=shards[0].device)
+    with launch_context(shards[0]):
+        _launch_quantize([s.contiguous() for s in shards], packed[:n].view(torch.int8), packed[n:].view(torch.float32),
+                         [segment // B for segment in segments], B, elems_per_program, num_warps)
+    return packed
+
+
+def dequantize_bucket_triton(
+    packed: torch.Tensor,
+    segments: list[int],
+    sizes: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    elems_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Triton dequantize of a gathered bucket into its members' layout; same values as the twin.
+    Each member's values are written where `zpp::split_bucket` would copy them (the gaps between
+    members stay unwritten)."""
+    _check_bucket_layout(segments, sizes, block_size, exact=True)
+    n = sum(segments)
+    R = _check_dequantize_args(packed, n, block_size, dtype)
+    _require_triton(block_size)
+    starts, length = member_starts(R, sizes, dtype.itemsize)
+    out = torch.empty(length, dtype=dtype, device=packed.device)
+    if R > 0:
+        with launch_context(packed):
+            _launch_dequantize(packed, n, out, list(sizes), starts, block_size, elems_per_program, num_warps)
     return out
 
 
@@ -458,6 +626,33 @@ def _(packed, n, block_size, dtype):
     return packed.new_empty(packed.numel() // packed_weight_bytes(n, block_size) * n, dtype=dtype)
 
 
+@torch.library.custom_op("zpp::quantize_bucket", mutates_args=())
+def quantize_bucket(shards: list[torch.Tensor], segments: list[int], block_size: int) -> torch.Tensor:
+    """`zpp::quantize_weight` of `zpp::join_bucket`, in one pass: each shard is quantized into
+    its place, so the joined shards are never materialized."""
+    return quantize_bucket_reference(shards, segments, block_size)
+
+
+@quantize_bucket.register_fake
+def _(shards, segments, block_size):
+    return shards[0].new_empty(packed_weight_bytes(sum(segments), block_size), dtype=torch.uint8)
+
+
+@torch.library.custom_op("zpp::dequantize_bucket", mutates_args=())
+def dequantize_bucket(
+    packed: torch.Tensor, segments: list[int], sizes: list[int], block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """`zpp::split_bucket` of `zpp::dequantize_weight`, in one pass: each member's weight is
+    written where the split would copy it, so the rank-major values are never materialized."""
+    return dequantize_bucket_reference(packed, segments, sizes, block_size, dtype)
+
+
+@dequantize_bucket.register_fake
+def _(packed, segments, sizes, block_size, dtype):
+    chunks = packed.numel() // packed_weight_bytes(sum(segments), block_size)
+    return packed.new_empty(member_starts(chunks, sizes, dtype.itemsize)[1], dtype=dtype)
+
+
 if HAS_TRITON:
 
     @quantize_weight.register_kernel("cuda")
@@ -469,3 +664,13 @@ if HAS_TRITON:
     def _(packed, n, block_size, dtype):
         launch = dequantize_weight_triton if triton_handles_block(block_size) else dequantize_weight_reference
         return launch(packed, n, block_size, dtype)
+
+    @dequantize_bucket.register_kernel("cuda")
+    def _(packed, segments, sizes, block_size, dtype):
+        launch = dequantize_bucket_triton if triton_handles_block(block_size) else dequantize_bucket_reference
+        return launch(packed, segments, sizes, block_size, dtype)
+
+    @quantize_bucket.register_kernel("cuda")
+    def _(shards, segments, block_size):
+        launch = quantize_bucket_triton if triton_handles_block(block_size) else quantize_bucket_reference
+        return launch(shards, segments, block_size)

@@ -40,6 +40,7 @@ def runs() -> dict[str, tuple]:
         "schedule on and off": (compare_runs, {"bucket_size": 4096}, {"disable_passes": ["schedule_overlap"]}),
         "quantized buckets": (quantized_bucket_runs,),
         "blocks in a module dict": (moduledict_step_collectives,),
+        "bucket copies": (bucket_copies,),
         "live gathers": (scheduled_graphs, list(SCHEDULED_CONFIGS.values())),
     }
 
@@ -108,6 +109,99 @@ def test_buckets_of_small_members_stay_full_precision(results):
     # and the 0-d gate, which are smaller than a block per rank.
     assert ("all_gather", "torch.uint8", False) in kinds and ("all_gather", "torch.float32", False) in kinds
     assert ("all_gather", "torch.uint8", True) in kinds and ("reduce_scatter", "torch.float32", True) in kinds
+
+
+def bucket_copies(rank: int, world_size: int) -> list[dict[str, int]]:
+    """qwZ + hpZ + qgZ in 1 MiB buckets: per lowered graph, how often each weight (de)quantization
+    and bucket copy is called once every pass has run."""
+    captured: list[fx.Graph] = []
+
+    def capture(graph: fx.Graph, ctx) -> None:
+        schedule_overlap(graph, ctx)
+        captured.append(graph)
+
+    passes = [dataclasses.replace(p, run=capture) if p.name == "schedule_overlap" else p for p in PASSES]
+    torch._dynamo.reset()
+    final_state(rank, world_size, {**ALL_THREE, "bucket_size": 1 << 20},
+                backend=functools.partial(zeropp_backend, passes=passes))
+    ops = {"quantize_bucket": torch.ops.zpp.quantize_bucket.default,
+           "quantize_weight": torch.ops.zpp.quantize_weight.default,
+           "dequantize_bucket": torch.ops.zpp.dequantize_bucket.default,
+           "dequantize_weight": torch.ops.zpp.dequantize_weight.default,
+           "join_bucket": torch.ops.zpp.join_bucket.default,
+           "split_bucket": torch.ops.zpp.split_bucket.default}
+    return [{name: len(graph.find_nodes(op="call_function", target=op)) for name, op in ops.items()}
+            for graph in captured]
+
+
+def test_quantized_buckets_are_quantized_and_dequantized_in_place(results):
+    # Forward quantizes the one quantized bucket (the two blocks' matrices) from its shards in
+    # place and dequantizes it into its weights; backward dequantizes hpZ's INT8 copy again, in
+    # place too. The plain (de)quantizations are the embedding's, gathered on its own; the
+    # full-precision buckets' joins and splits are lowered to copies.
+    forward, backward = results[0]["bucket copies"]
+    assert forward == {"quantize_bucket": 1, "quantize_weight": 1, "dequantize_bucket": 1, "dequantize_weight": 1,
+                       "join_bucket": 0, "split_bucket": 0}
+    assert backward == {"quantize_bucket": 0, "quantize_weight": 0, "dequantize_bucket": 1, "dequantize_weight": 1,
+                        "join_bucket": 0, "split_bucket": 0}
+
+
+def test_the_copy_in_is_folded_into_the_quantization():
+    segments, B = (128, 64, 32), 32
+    shards = [torch.randn(100), torch.randn(64), torch.randn(1)]
+
+    def lowered(also_return_joined: bool) -> tuple[fx.GraphModule, list]:
+        def step(*shards):
+            joined = torch.ops.zpp.join_bucket(list(shards), list(segments))
+            packed = torch.ops.zpp.quantize_weight(joined, B)
+            return (packed, joined) if also_return_joined else packed
+        module = torch.fx.experimental.proxy_tensor.make_fx(step, tracing_mode="fake")(*shards)
+        expected = module(*shards)
+        ctx = PassContext(zpp.Config(), None, "g0.forward", "forward")
+        next(p for p in PASSES if p.name == "fold_bucket_copies").run(module.graph, ctx)
+        module.recompile()
+        return module, expected
+
+    module, expected = lowered(also_return_joined=False)
+    assert torch.equal(module(*shards), expected)
+    targets = [n.target for n in module.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.zpp.quantize_bucket.default]
+    # The joined shards used elsewhere too: the join becomes plain copies.
+    module, expected = lowered(also_return_joined=True)
+    assert all(torch.equal(a, b) for a, b in zip(module(*shards), expected))
+    targets = {n.target for n in module.graph.nodes if n.op == "call_function"}
+    assert torch.ops.zpp.quantize_weight.default in targets and torch.ops.aten.cat.default in targets
+    assert not targets & {torch.ops.zpp.quantize_bucket.default, torch.ops.zpp.join_bucket.default}
+
+
+def test_the_copy_out_is_folded_into_the_dequantization():
+    segments, sizes, R, B = (128, 64), (100, 64), 2, 32
+    rows = [torch.cat([F.pad(torch.randn(size), (0, seg - size)) for seg, size in zip(segments, sizes)])
+            for _ in range(R)]
+    packed = torch.cat([torch.ops.zpp.quantize_weight(row, B) for row in rows])
+
+    def lowered(also_return_values: bool) -> tuple[fx.GraphModule, list]:
+        def step(packed):
+            values = torch.ops.zpp.dequantize_weight(packed, sum(segments), B, torch.float32)
+            weights = torch.ops.zpp.split_bucket(values, R, list(segments), list(sizes))
+            return (weights, values) if also_return_values else weights
+        module = torch.fx.experimental.proxy_tensor.make_fx(step)(packed)
+        expected = module(packed)
+        ctx = PassContext(zpp.Config(), None, "g0.forward", "forward")
+        next(p for p in PASSES if p.name == "fold_bucket_copies").run(module.graph, ctx)
+        module.recompile()
+        return module, expected
+
+    module, expected = lowered(also_return_values=False)
+    assert torch.equal(module(packed), expected)
+    targets = [n.target for n in module.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.zpp.dequantize_bucket.default]
+    # Values used elsewhere too (hpZ keeping the dequantized copy): the split becomes plain copies.
+    module, expected = lowered(also_return_values=True)
+    assert all(torch.equal(a, b) for a, b in zip(module(packed), expected))
+    targets = {n.target for n in module.graph.nodes if n.op == "call_function"}
+    assert torch.ops.zpp.dequantize_weight.default in targets and torch.ops.aten.cat.default in targets
+    assert not targets & {torch.ops.zpp.dequantize_bucket.default, torch.ops.zpp.split_bucket.default}
 
 
 # ------------------------------------------------------------- layer boundaries, on a small graph
@@ -454,3 +548,56 @@ def test_inductor_keeps_the_schedule():
     # The check can fail: unscheduled, each collective is waited for before the next is issued.
     forward, backward = unscheduled
     assert not issued_ahead(forward, gather) and not overlapped_by_matmuls(backward, reduce)
+
+
+# ------------------------------------------------------------------ values shared by every layer
+
+
+def shared_rope_step(positions: torch.Tensor, hidden: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
+    """A "layer" per weight (a matmul, then RoPE's pointwise use of one cos and one sin of the
+    positions), and values that should stay inlined: a cheap one read by every layer, a costly
+    one read twice."""
+    cos, sin = positions.cos(), positions.sin()
+    cheap = positions * 2
+    for weight in weights:
+        hidden = hidden @ weight
+        hidden = hidden * cos + torch.cat([-hidden[:, 2:], hidden[:, :2]], -1) * sin + cheap
+    costly_pair = hidden.exp()
+    return [costly_pair + 1, costly_pair * 2]
+
+
+def rope_inputs() -> list[torch.Tensor]:
+    return [torch.randn(8, 4), torch.randn(8, 4)] + [torch.randn(4, 4) for _ in range(6)]
+
+
+def test_costly_values_read_by_every_layer_are_marked_to_be_stored():
+    module = torch.fx.experimental.proxy_tensor.make_fx(shared_rope_step, tracing_mode="fake")(*rope_inputs())
+    next(p for p in PASSES if p.name == "realize_shared_values").run(
+        module.graph, PassContext(zpp.Config(), None, "g0.forward", "forward"))
+    marked = {n.target for n in module.graph.nodes if n.meta.get("inductor_realize_to_strides")}
+    assert marked == {torch.ops.aten.cos.default, torch.ops.aten.sin.default}
+
+
+def test_inductor_computes_a_marked_value_once():
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import run_and_get_code
+
+    def compiled(marking: bool) -> str:
+        def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+            if marking:
+                next(p for p in PASSES if p.name == "realize_shared_values").run(
+                    gm.graph, PassContext(zpp.Config(), None, "g0.forward", "inference"))
+            return compile_fx_inner(gm, example_inputs)
+
+        torch._dynamo.reset()
+        step = torch.compile(shared_rope_step, backend=torch._dynamo.backends.common.aot_autograd(fw_compiler=backend))
+        with torch._inductor.config.patch(fx_graph_cache=False):  # its key does not cover the mark
+            _, (code, *_) = run_and_get_code(step, *rope_inputs())
+        return code
+
+    def calls_computing_cos(code: str) -> int:  # Inductor names a kernel after the ops fused into it
+        return len(re.findall(r"^\s+\w*_cos\w*(?:\.run)?\(", code, flags=re.MULTILINE))
+
+    # Inductor computes cos inside every layer's kernel, unless it is marked to be stored.
+    assert calls_computing_cos(compiled(marking=False)) == 6
+    assert calls_computing_cos(compiled(marking=True)) == 1

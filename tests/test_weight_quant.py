@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from zpp_compile.runtime import weight_quant as wq
+from zpp_compile.runtime.buckets import member_starts
 
 # The interpreter computes inf * 0 in non-finite blocks (the result is overwritten) and numpy warns.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -243,6 +244,99 @@ def test_ops_round_trip_chunks(dtype):
         assert_same_values(on_kernel_device(wq.dequantize_weight_triton, base[1:], n, B, torch.float32), y)
 
 
+BUCKET_LAYOUTS = [  # (segments, sizes) in blocks of 64: padding after some members, a member of one block
+    ((256, 128, 64, 512), (250, 128, 1, 512)),
+    ((1024, 1024), (1024, 1000)),
+    # more members than one launch takes (wq.MAX_MEMBERS)
+    ((64, 64, 128, 128, 64, 64, 192, 64, 64, 192), (64, 1, 128, 100, 64, 64, 192, 5, 64, 130)),
+]
+
+
+def bucket_of_shards(layout: tuple, R: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """The gathered packed bytes of a bucket over R ranks (each rank quantizes its members'
+    shards side by side, each padded to its segment) and the shards, shards[rank][member]."""
+    segments, sizes = layout
+    shards = [[weights(size, dtype, seed=7 * r + p) for p, size in enumerate(sizes)] for r in range(R)]
+    rows = [torch.cat([torch.nn.functional.pad(x, (0, seg - x.numel())) for x, seg in zip(row, segments)])
+            for row in shards]
+    return torch.cat([wq.quantize_weight_reference(row, 64) for row in rows]), shards
+
+
+def expected_members(shards: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each member's weight dequantized on its own (its shards are whole blocks of the bucket's
+    rows, so their codes and scales are the bucket's)."""
+    return [torch.cat([wq.dequantize_weight_reference(wq.quantize_weight_reference(row[p], 64), row[p].numel(), 64,
+                                                      dtype) for row in shards])
+            for p in range(len(shards[0]))]
+
+
+def members_of(split: torch.Tensor, R: int, sizes: tuple) -> list[torch.Tensor]:
+    """The members' weights in a split bucket, each starting 256-byte aligned."""
+    starts, length = member_starts(R, list(sizes), split.element_size())
+    assert split.numel() == length and all(start * split.element_size() % 256 == 0 for start in starts)
+    return [split[start:start + R * size] for start, size in zip(starts, sizes)]
+
+
+def assert_same_members(split: torch.Tensor, R: int, sizes: tuple, expected: list[torch.Tensor]) -> None:
+    for member, want in zip(members_of(split, R, sizes), expected, strict=True):
+        assert_same_values(member, want)
+
+
+@pytest.mark.parametrize("layout", BUCKET_LAYOUTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bucket_dequantized_into_member_layout(layout, dtype):
+    segments, sizes = layout
+    packed, shards = bucket_of_shards(layout, 3, torch.float32)
+    expected = expected_members(shards, dtype)
+    fused = torch.ops.zpp.dequantize_bucket(packed, segments, sizes, 64, dtype)
+    assert_same_members(fused, 3, sizes, expected)
+    # The op is the split of the plain dequantization, in one pass.
+    values = torch.ops.zpp.dequantize_weight(packed, sum(segments), 64, dtype)
+    assert torch.equal(torch.ops.zpp.split_bucket(values, 3, segments, sizes), fused)
+    if wq.HAS_TRITON:
+        kernel = on_kernel_device(wq.dequantize_bucket_triton, packed, segments, sizes, 64, dtype)
+        assert_same_members(kernel, 3, sizes, expected)
+        # Small tiles: several programs per member, the last one partly past the member's end.
+        small = on_kernel_device(wq.dequantize_bucket_triton, packed, segments, sizes, 64, dtype,
+                                 elems_per_program=128, num_warps=1)
+        assert_same_members(small, 3, sizes, expected)
+
+
+@pytest.mark.parametrize("layout", BUCKET_LAYOUTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bucket_quantized_from_its_shards(layout, dtype):
+    segments, sizes = layout
+    # A rank's shards may be shorter than their members' size (the last rank's, of an uneven split).
+    shards = [weights(size - (p % 2) * (size // 3), dtype, seed=p) for p, size in enumerate(sizes)]
+    shards[0][3] = float("nan")  # a non-finite block beside finite ones
+    # Each shard quantized on its own, padded to its segment (whole blocks), the codes then the scales.
+    alone = [wq.quantize_weight_reference(torch.nn.functional.pad(shard, (0, segment - shard.numel())), 64)
+             for shard, segment in zip(shards, segments)]
+    codes = torch.cat([packed[:segment] for packed, segment in zip(alone, segments)])
+    scales = torch.cat([packed[segment:] for packed, segment in zip(alone, segments)])
+    expected = torch.cat([codes, scales])
+    assert torch.equal(torch.ops.zpp.quantize_bucket(shards, segments, 64), expected)
+    assert torch.equal(torch.ops.zpp.quantize_weight(torch.ops.zpp.join_bucket(shards, segments), 64), expected)
+    if wq.HAS_TRITON:
+        assert torch.equal(on_kernel_device(lambda *xs: wq.quantize_bucket_triton(list(xs), segments, 64), *shards),
+                           expected)
+        small = on_kernel_device(lambda *xs: wq.quantize_bucket_triton(list(xs), segments, 64, elems_per_program=128,
+                                                                       num_warps=1), *shards)
+        assert torch.equal(small, expected)
+
+
+def test_bucket_layout_errors():
+    packed, _ = bucket_of_shards(BUCKET_LAYOUTS[0], 2, torch.float32)
+    with pytest.raises(ValueError, match="padded to whole blocks"):
+        wq.dequantize_bucket_reference(packed, [250, 128, 64, 512], [250, 128, 1, 512], 64, torch.float32)
+    with pytest.raises(ValueError, match="padded to whole blocks"):  # a block more than the member needs
+        wq.dequantize_bucket_reference(packed, [256, 128, 128, 448], [250, 128, 1, 448], 64, torch.float32)
+    with pytest.raises(ValueError, match="at least its size"):
+        wq.quantize_bucket_reference([torch.ones(65), torch.ones(3)], [64, 64], 64)
+    with pytest.raises(ValueError, match="one length"):
+        wq.dequantize_bucket_reference(packed, [256, 128, 64, 512], [250, 128, 1], 64, torch.float32)
+
+
 def test_fake_shapes_and_opcheck():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -258,6 +352,10 @@ def test_fake_shapes_and_opcheck():
     p = wq.quantize_weight_reference(x, 64)
     torch.library.opcheck(torch.ops.zpp.quantize_weight.default, (x, 64))
     torch.library.opcheck(torch.ops.zpp.dequantize_weight.default, (torch.cat([p, p]), 300, 64, torch.bfloat16))
+    packed, shards = bucket_of_shards(BUCKET_LAYOUTS[0], 2, torch.float32)
+    torch.library.opcheck(torch.ops.zpp.quantize_bucket.default, (shards[0], list(BUCKET_LAYOUTS[0][0]), 64))
+    torch.library.opcheck(torch.ops.zpp.dequantize_bucket.default,
+                          (packed, list(BUCKET_LAYOUTS[0][0]), list(BUCKET_LAYOUTS[0][1]), 64, torch.bfloat16))
 
 
 def test_bad_arguments():
@@ -295,3 +393,22 @@ def test_cuda_kernels_match_twin(dtype, B):
             torch.ops.zpp.dequantize_weight(gathered, n, B, out_dtype).cpu(),
             wq.dequantize_weight_reference(gathered.cpu(), n, B, out_dtype),
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_bucket_kernels_match_twins(dtype):
+    """Members of whole tiles (unmasked) beside padded ones, at the default block size: quantized
+    from their shards, dequantized into their weights."""
+    B, R = 2048, 2
+    segments, sizes = [1 << 20, 3 * B, 1 << 18], [1 << 20, 3 * B - 5, (1 << 18) - B + 1]
+    shards = [[weights(size, torch.float32, seed=r + size) for size in sizes] for r in range(R)]
+    rows = [torch.cat([torch.nn.functional.pad(x, (0, seg - x.numel())) for x, seg in zip(row_shards, segments)])
+            for row_shards in shards]
+    packed = torch.cat([torch.ops.zpp.quantize_weight(row.cuda(), B) for row in rows])
+    for row_shards, row in zip(shards, rows):  # quantized from the shards in place, or from the joined row
+        assert torch.equal(torch.ops.zpp.quantize_bucket([s.cuda() for s in row_shards], segments, B).cpu(),
+                           wq.quantize_weight_reference(row, B))
+    expected = members_of(wq.dequantize_bucket_reference(packed.cpu(), segments, sizes, B, dtype), R, sizes)
+    assert_same_members(torch.ops.zpp.dequantize_bucket(packed, segments, sizes, B, dtype).cpu(), R, sizes, expected)
