@@ -146,6 +146,11 @@ def test_quantized_buckets_are_quantized_and_dequantized_in_place(results):
                         "join_bucket": 0, "split_bucket": 0}
 
 
+def run_pass(name: str, graph: fx.Graph, kind: str = "forward") -> None:
+    """Runs one of PASSES, by name, on a small graph."""
+    next(p for p in PASSES if p.name == name).run(graph, PassContext(zpp.Config(), None, f"g0.{kind}", kind))
+
+
 def test_the_copy_in_is_folded_into_the_quantization():
     segments, B = (128, 64, 32), 32
     shards = [torch.randn(100), torch.randn(64), torch.randn(1)]
@@ -157,8 +162,7 @@ def test_the_copy_in_is_folded_into_the_quantization():
             return (packed, joined) if also_return_joined else packed
         module = torch.fx.experimental.proxy_tensor.make_fx(step, tracing_mode="fake")(*shards)
         expected = module(*shards)
-        ctx = PassContext(zpp.Config(), None, "g0.forward", "forward")
-        next(p for p in PASSES if p.name == "fold_bucket_copies").run(module.graph, ctx)
+        run_pass("fold_bucket_copies", module.graph)
         module.recompile()
         return module, expected
 
@@ -187,8 +191,7 @@ def test_the_copy_out_is_folded_into_the_dequantization():
             return (weights, values) if also_return_values else weights
         module = torch.fx.experimental.proxy_tensor.make_fx(step)(packed)
         expected = module(packed)
-        ctx = PassContext(zpp.Config(), None, "g0.forward", "forward")
-        next(p for p in PASSES if p.name == "fold_bucket_copies").run(module.graph, ctx)
+        run_pass("fold_bucket_copies", module.graph)
         module.recompile()
         return module, expected
 
@@ -572,8 +575,7 @@ def rope_inputs() -> list[torch.Tensor]:
 
 def test_costly_values_read_by_every_layer_are_marked_to_be_stored():
     module = torch.fx.experimental.proxy_tensor.make_fx(shared_rope_step, tracing_mode="fake")(*rope_inputs())
-    next(p for p in PASSES if p.name == "realize_shared_values").run(
-        module.graph, PassContext(zpp.Config(), None, "g0.forward", "forward"))
+    run_pass("realize_shared_values", module.graph)
     marked = {n.target for n in module.graph.nodes if n.meta.get("inductor_realize_to_strides")}
     assert marked == {torch.ops.aten.cos.default, torch.ops.aten.sin.default}
 
@@ -585,8 +587,7 @@ def test_inductor_computes_a_marked_value_once():
     def compiled(marking: bool) -> str:
         def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
             if marking:
-                next(p for p in PASSES if p.name == "realize_shared_values").run(
-                    gm.graph, PassContext(zpp.Config(), None, "g0.forward", "inference"))
+                run_pass("realize_shared_values", gm.graph, "inference")
             return compile_fx_inner(gm, example_inputs)
 
         torch._dynamo.reset()
