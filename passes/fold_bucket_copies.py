@@ -9,7 +9,7 @@ from ..runtime.buckets import join_shards
 from ..runtime.ops import (dequantize_weight_args, join_bucket_args, quantize_weight_args, split_bucket_args,
                            split_bucket_reference)
 from .base import PassContext
-from .fx_util import replace_with_traced
+from .fx_util import nodes_calling, replace_with_traced
 
 
 def fold_bucket_copies(graph: fx.Graph, ctx: PassContext) -> None:
@@ -23,11 +23,10 @@ def fold_bucket_copies(graph: fx.Graph, ctx: PassContext) -> None:
     buffer. Any other join or split (a full-precision bucket, or dequantized values that hpZ
     keeps as its copy) -> its torch ops (pads, slices and concatenations), for Inductor to generate.
     """
-    for node in list(graph.nodes):
-        if node.target is torch.ops.zpp.join_bucket.default:
-            _lower_join(graph, node)
-        elif node.target is torch.ops.zpp.split_bucket.default:
-            _lower_split(graph, node)
+    for node in nodes_calling(graph, torch.ops.zpp.join_bucket.default):
+        _lower_join(graph, node)
+    for node in nodes_calling(graph, torch.ops.zpp.split_bucket.default):
+        _lower_split(graph, node)
 
 
 def _lower_join(graph: fx.Graph, node: fx.Node) -> None:
