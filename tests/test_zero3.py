@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
+from zpp_compile.backend import zeropp_backend
+from zpp_compile.passes import PASSES, GraphPass
 from distributed import device, for_each_config, run_ranks
 from models import GraphBreakTransformer, TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
@@ -146,6 +151,33 @@ def generated_code(rank: int, world_size: int, options: dict) -> list[str]:
     model = zpp.shard(nn.Linear(8, 8).to(device()), zpp.Config(**options))
     step_fn = torch.compile(model, backend="zeropp")
     return run_and_get_code(lambda: step_fn(torch.randn(2, 8, device=device())).sum().backward())[1]
+
+
+def block_size_timing(rank: int, world_size: int, options: dict) -> list[bool]:
+    """Inductor's `dynamic_scale_rblock` as zeropp's lowering passes see it, for each graph."""
+    seen = []
+
+    def recording(graph_pass: GraphPass) -> GraphPass:
+        def run(graph, ctx):
+            seen.append(torch._inductor.config.dynamic_scale_rblock)
+            graph_pass.run(graph, ctx)
+        return dataclasses.replace(graph_pass, run=run)
+
+    passes = [recording(p) if p.name == "lower_collectives" else p for p in PASSES]
+    model = zpp.shard(nn.Linear(8, 8).to(device()), zpp.Config(**options))
+    step_fn = torch.compile(model, backend=functools.partial(zeropp_backend, passes=passes))
+    step_fn(torch.randn(2, 8, device=device())).sum().backward()
+    return seen
+
+
+def test_reductions_keep_one_block_size_unless_asked():
+    # Inductor would time a second block size of some reductions in every new process (a restarted
+    # job included), copying large outputs to the host and back to do so.
+    uncached = {"fx_graph_cache": False}  # so that the passes run whatever an earlier run stored
+    configs = [{"inductor_options": uncached}, {"inductor_options": {**uncached, "dynamic_scale_rblock": True}}]
+    default, asked = run_ranks(for_each_config, 1, block_size_timing, configs)[0]
+    assert default == [False, False]  # forward and backward
+    assert asked == [True, True]
 
 
 def test_inductor_options_reach_inductor():

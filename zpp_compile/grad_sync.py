@@ -28,6 +28,13 @@ from .runtime.ops import AddPendingGrad, KeepGradLocal
 from .runtime.registry import REGISTRY
 
 
+# What gathering a parameter reads (`sharding.ParamLayout.gather_args`): its element count and
+# shape, then the arguments of `zpp::all_gather_param` after the shard (shard_size, group_size,
+# group_name, dtype, reduce_dtype, sharding_id). A plain tuple, since Dynamo reads it for every
+# parameter use at a fraction of the cost of an object's attributes.
+GatherArgs = tuple[int, tuple[int, ...], int, int, str, torch.dtype, torch.dtype, int]
+
+
 class GradAccumulator:
     """The gradient one trainable parameter keeps on this rank while sync is off."""
 
@@ -75,7 +82,8 @@ def local_shard(module: nn.Module, name: str) -> torch.Tensor:
 def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
     """`module.<name>` gathered from this rank's part of its shard (`local_shard`), its gradient
     reduced, kept on this rank, or added to the kept one."""
-    weight = module._zpp_layouts[name].gather(local)
+    numel, shape, *op_args = module._zpp_gather_args[name]
+    weight = torch.ops.zpp.all_gather_param(local.reshape(-1), *op_args)[:numel].view(shape)
     accumulator = module._zpp_accumulators.get(name)
     if accumulator is None:
         return weight

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .config import Config, ConfigError, regions_reuse_traces
-from .grad_sync import gather_local_shard, gathered_weight, local_shard
+from .grad_sync import GatherArgs, gather_local_shard, gathered_weight, local_shard
 from .initialization import MetaInit, accept_full_tensors, broadcast_buffers, children_first
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
@@ -47,13 +47,11 @@ class ParamLayout:
     reduce_dtype: torch.dtype
     sharding_id: int
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """The full parameter from this rank's part of its shard (`DTensor.to_local()`)."""
-        flat = torch.ops.zpp.all_gather_param(
-            local.reshape(-1), self.shard_size, self.group_size, self.group_name, self.dtype, self.reduce_dtype,
-            self.sharding_id,
-        )
-        return flat[: self.shape.numel()].view(self.shape)
+    @property
+    def gather_args(self) -> GatherArgs:
+        """What gathering the parameter reads, as `grad_sync.gather_local_shard` takes it."""
+        return (self.shape.numel(), tuple(self.shape), self.shard_size, self.group_size, self.group_name, self.dtype,
+                self.reduce_dtype, self.sharding_id)
 
 
 def shard(
@@ -104,7 +102,7 @@ def shard(
                 sharded[id(param)] = _shard_parameter(initialized.get(name, param), state)
             module._parameters[name] = sharded[id(param)]
             layouts[name] = _layout(param, state, sharding_id)
-        module._zpp_layouts = layouts
+        _set_layouts(module, layouts)
         module._zpp_accumulators = {}  # filled by set_requires_gradient_sync
         module.__class__ = _gathering_class(type(module), frozenset(names))
         accept_full_tensors(module)
@@ -263,6 +261,12 @@ def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int) -> Para
         reduce_dtype=config.reduce_dtype,
         sharding_id=sharding_id,
     )
+
+
+def _set_layouts(module: nn.Module, layouts: dict[str, ParamLayout]) -> None:
+    """Gives `module` its parameters' layouts, and what gathering each reads as a plain tuple."""
+    module._zpp_layouts = layouts
+    module._zpp_gather_args = {name: layout.gather_args for name, layout in layouts.items()}
 
 
 def _gathering_class(cls: type, names: frozenset[str]) -> type:
@@ -438,7 +442,9 @@ def _apply_to_shards(
     finally:
         for key, shard in shards.items():
             REGISTRY.params[shard] = states[key]
+    layouts = {}
     for name, layout in module._zpp_layouts.items():
         dtype = REGISTRY.states[layout.sharding_id].config.param_dtype or module._parameters[name].dtype
-        module._zpp_layouts[name] = dataclasses.replace(layout, dtype=dtype)
+        layouts[name] = dataclasses.replace(layout, dtype=dtype)
+    _set_layouts(module, layouts)
     return out
