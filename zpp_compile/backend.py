@@ -65,11 +65,10 @@ def zeropp_backend(
         "joint_custom_post_pass": _StageHook(manager, "joint", cache),
         "post_grad_custom_pre_pass": _StageHook(manager, "lowering", cache),
         # Inductor gives a reduction kernel whose registers limit its occupancy a second, smaller
-        # block size, then times both in every new process: it stores no choice for a kernel that
-        # began with one configuration. Timing a kernel that writes a buffer larger than the free
-        # memory (the whole-step backward's tied-embedding gradient) copies that buffer to the host
-        # and back for every run, so a restarted job paid seconds for it. Reductions keep
-        # Inductor's heuristic configuration instead.
+        # block size and times both in every new process, since it stores no choice for a kernel
+        # that began with one configuration; timing a kernel that writes a buffer larger than the
+        # free memory (the whole-step backward's tied-embedding gradient) copies that buffer to
+        # the host and back for each run. Reductions keep Inductor's heuristic configuration.
         "dynamic_scale_rblock": False,
     }
     if any(p.name == "schedule_overlap" for p in manager.passes):
