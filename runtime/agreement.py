@@ -13,7 +13,11 @@ only make them time out, never pair with one of the model's collectives:
   compiled graph, never Dynamo's). A graph this rank has compared before for the same sharded model
   passes at once: a rank that recompiles on its own (for a new input shape, say) does not wait for
   ranks that are not compiling;
-- `full_state_dict`, a collective call, checks at every call that every rank is making it.
+- `full_state_dict`, a collective call, checks at every call that every rank is making it;
+- run eagerly, every parameter gather first compares which parameter each rank gathers (two
+  integers per rank), so that a data-dependent branch raises on every rank instead of gloo
+  aborting, NCCL hanging, or two parameters of one shape silently mixing. Compiled graphs do
+  not pay this: their gathers were compared before they were compiled.
 """
 
 from __future__ import annotations
@@ -79,6 +83,35 @@ def gather_schedule(
                             f"{gradient}")
             sharding_ids.add(args.sharding_id)
     return tuple(schedule), frozenset(sharding_ids)
+
+
+def check_same_eager_gather(topology: Topology, sharding_id: int, index: int, what: str) -> None:
+    """Raises RankMismatchError on every rank unless every rank is about to gather parameter
+    `index` of sharding `sharding_id` now (`what` names it, for the message)."""
+    if topology.world_size == 1:
+        return
+    mine = torch.tensor([sharding_id, index], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(topology.world_size)]
+    try:
+        dist.all_gather(everyone, mine, group=topology.agreement)
+    except RuntimeError as error:
+        raise RankMismatchError(
+            f"zeropp: rank {topology.rank} is about to gather {what} and waited in vain for the other ranks to gather "
+            "a parameter too: they run other collectives, hung past Config.collective_timeout_s, or died. Backend "
+            f"error: {error}"
+        ) from error
+    if any(not torch.equal(theirs, mine) for theirs in everyone):
+        doing = _all_gather(topology, f"gathering {what}", "an eager parameter gather")
+        groups: dict[str, list[int]] = {}
+        for rank, theirs in enumerate(doing):
+            groups.setdefault(theirs, []).append(rank)
+        raise RankMismatchError(
+            "zeropp: the ranks are about to gather different parameters, which would hang, abort the backend or mix "
+            f"two parameters' values: {'; '.join(f'{_ranks(ranks)} {theirs}' for theirs, ranks in groups.items())}. "
+            "Every rank must gather the same parameters in the same order: a module whose use of its weights depends "
+            "on the data (a mixture of experts skipping experts no token chose, a branch on the input) belongs in "
+            f"Config.leaf_modules, which gathers its parameters together on entry. (This is rank {topology.rank}.)"
+        )
 
 
 def check_same_call(topology: Topology, call: str) -> None:

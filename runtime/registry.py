@@ -40,7 +40,7 @@ class Registry:
     states: list[ShardingState] = field(default_factory=list)  # indexed by sharding id
     models: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     params: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # shard -> state
-    gathering_classes: dict[tuple[type, frozenset[str]], type] = field(default_factory=dict)
+    gathering_classes: dict[tuple[type, frozenset[str], bool], type] = field(default_factory=dict)
     ledger: list[GraphComm] = field(default_factory=list)  # in compile order
     graph_ids: itertools.count = field(default_factory=itertools.count)
     cuda_graph_watch: Any = None  # runtime.cuda_graphs.CallWatch, made by the first graphed compilation
@@ -55,6 +55,15 @@ class Registry:
     def sharding_id(self, model: Any) -> int:
         """The sharding id of `model`, a model given to `shard` (its state's index)."""
         return next(i for i, state in enumerate(self.states) if state is self.models[model])
+
+    def state_of(self, model: Any) -> ShardingState | None:
+        """The state of `model`: a model given to `shard`, or a module holding the shards of one
+        (a PEFT wrapper around it, the model PEFT's `merge_and_unload` returns); None for a
+        module holding no shards or those of several models."""
+        if model in self.models:
+            return self.models[model]
+        states = {id(state): state for p in model.parameters() if (state := self.params.get(p)) is not None}
+        return next(iter(states.values())) if len(states) == 1 else None
 
     def reusable_id(self, state: ShardingState) -> int | None:
         """The sharding id of a state equal to `state` whose model is gone, if there is one."""

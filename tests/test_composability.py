@@ -166,9 +166,13 @@ def bfloat16_after_shard_run(rank: int, world_size: int) -> None:
         full = zpp.full_state_dict(model)
         for key, value in reference.state_dict().items():
             assert full[key].dtype == torch.bfloat16, key
-            # What the two steps changed, to within bf16's rounding of the parameters.
-            torch.testing.assert_close((full[key] - initial[key]).float(), (value - initial[key]).float(),
-                                       rtol=0.02, atol=0.01, msg=lambda m: f"{key}: {m}")
+            # What the two steps changed, to within bf16's rounding of the parameters: the two may
+            # round a parameter's last step apart by one bf16 step at its magnitude (measured: 1 of
+            # 888 elements, on one CPU).
+            update, expected_update = (full[key] - initial[key]).float(), (value - initial[key]).float()
+            one_step = torch.finfo(torch.bfloat16).eps * value.float().abs()
+            apart = (update - expected_update).abs() - (0.01 + 0.02 * expected_update.abs() + one_step)
+            assert (apart <= 0).all(), f"{key}: updates differ by more than bf16 rounding, {apart.max():.4g} over"
     with pytest.raises(RuntimeError, match="cannot move the shards of Sharded.* to meta: zeropp keeps them on"):
         model.to("meta")
 

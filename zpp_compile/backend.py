@@ -25,7 +25,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .compile_cache import PassCache, to_local_as_method
-from .config import Config
+from .config import Config, ConfigError
 from .pass_manager import PassManager
 from .passes import PASSES, GraphPass
 from .runtime.agreement import check_same_gathers
@@ -37,17 +37,21 @@ from .runtime.registry import REGISTRY, ShardingState
 
 def zeropp_backend(
     gm: fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None, *,
-    passes: Sequence[GraphPass] = PASSES,
+    mode: str | None = None, passes: Sequence[GraphPass] = PASSES,
 ) -> Callable[..., Any]:
     """torch.compile backend: `torch.compile(model, backend="zeropp", options={...})`.
 
     `options` overrides the model's Config for this compilation (same keys as Config); the fields
-    that shard() acts on (`config.SHARD_FIELDS`) may only repeat the model's values. `passes`
-    replaces zeropp's list of passes (to add one, or to wrap one to inspect its graph):
+    that shard() acts on (`config.SHARD_FIELDS`) may only repeat the model's values. torch.compile's
+    `mode` (which torch allows instead of `options`) sets Inductor's settings for that mode, its
+    CUDA graphs as `Config.cuda_graphs`. `passes` replaces zeropp's list of passes (to add one, or
+    to wrap one to inspect its graph):
     `torch.compile(model, backend=functools.partial(zeropp_backend, passes=[...]), options={...})`.
     """
     _inline_gathers(gm)
     state = _sharding_state(gm, example_inputs)
+    if mode is not None:
+        options = _mode_options(mode, state.config if state is not None else Config())
     if state is None:  # a graph without parameters (e.g. the loss after a graph break)
         config = Config.load(dict(options or {}))
         return compile_fx(gm, example_inputs) if config.inductor else _aot_eager(gm, example_inputs, None)
@@ -91,6 +95,24 @@ def zeropp_backend(
     if cache is not None:
         cache.restore(manager)  # the graphs Inductor served from its caches, without running the passes
     return compiled
+
+
+def _mode_options(mode: str, config: Config) -> dict[str, Any]:
+    """torch.compile's `mode` as zeropp options: Inductor's settings for that mode on top of the
+    model's `inductor_options`, and its CUDA graphs (reduce-overhead, max-autotune) as zeropp's
+    own, which watch their collectives (`Config.cuda_graphs`)."""
+    try:
+        settings = dict(torch._inductor.list_mode_options(mode))
+    except RuntimeError as error:
+        raise ConfigError(f"torch.compile(..., backend='zeropp', mode={mode!r}): {error}") from None
+    if not config.inductor:
+        raise ConfigError(f"torch.compile(..., backend='zeropp', mode={mode!r}) sets Inductor's options, but the "
+                          "model's Config has inductor=False (debug mode); drop mode= or inductor=False")
+    cuda_graphs = settings.pop("triton.cudagraphs", False)
+    options: dict[str, Any] = {"inductor_options": {**dict(config.inductor_options), **settings}}
+    if cuda_graphs:
+        options["cuda_graphs"] = True
+    return options
 
 
 def _dynamo_frame() -> int | None:

@@ -123,10 +123,10 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
 
 
 def _process_group(model: nn.Module, caller: str) -> dist.ProcessGroup:
-    state = REGISTRY.models.get(model) if isinstance(model, nn.Module) else None
+    state = REGISTRY.state_of(model) if isinstance(model, nn.Module) else None
     if state is None:
-        raise ValueError(f"zpp.{caller} needs a model sharded by zpp_compile.shard, got {type(model).__name__}; "
-                         "for an unsharded model use torch.save / torch.load")
+        raise ValueError(f"zpp.{caller} needs a model sharded by zpp_compile.shard (or a module holding one), got "
+                         f"{type(model).__name__}; for an unsharded model use torch.save / torch.load")
     return state.topology.mesh.get_group()
 
 

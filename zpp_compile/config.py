@@ -53,10 +53,10 @@ _MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 # Fields `shard()` acts on: they fix the shards' gathers and reductions (param_dtype, reduce_dtype),
 # the process groups (hpz_partition_size, ranks_per_node, collective_timeout_s) or the layers'
-# forward (compile_layers_once), so torch.compile's options may repeat them but not change them.
+# forward (compile_layers_once, leaf_modules), so torch.compile's options may repeat them but not change them.
 # Every other field is read when a graph is compiled and may be overridden per compilation.
 SHARD_FIELDS = ("hpz_partition_size", "ranks_per_node", "param_dtype", "reduce_dtype", "collective_timeout_s",
-                "compile_layers_once")
+                "compile_layers_once", "leaf_modules")
 
 
 def regions_reuse_traces() -> bool:
@@ -136,6 +136,10 @@ class Config:
     # Replay each compiled forward and backward as a CUDA graph (Inductor's cudagraph trees): the
     # host issues one call per graph instead of every kernel and collective (CUDA and Inductor only).
     cuda_graphs: bool = False
+    # Modules whose parameters are gathered together on entry and reduced together in backward,
+    # however their forward uses them (a mixture of experts skipping experts no token chose): class
+    # names (e.g. "Qwen2MoeSparseMoeBlock"), classes, or qualified module names.
+    leaf_modules: tuple[str, ...] = ()
     disable_passes: tuple[str, ...] = ()
     dump_dir: str | None = None
     collective_timeout_s: float = 600.0
@@ -205,6 +209,7 @@ class Config:
         set_("reduce_dtype", reduce_dtype)
         set_("inductor_options", _inductor_options(self.inductor_options))
         set_("disable_passes", _pass_names(self.disable_passes))
+        set_("leaf_modules", _leaf_module_names(self.leaf_modules))
         if self.dump_dir is not None:
             set_("dump_dir", str(self.dump_dir))
 
@@ -290,6 +295,7 @@ class Config:
             value = getattr(self, f.name)
             out[f.name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
         out["disable_passes"] = list(self.disable_passes)
+        out["leaf_modules"] = list(self.leaf_modules)
         out["inductor_options"] = dict(self.inductor_options)
         return out
 
@@ -370,6 +376,18 @@ def _pass_names(value: Any) -> tuple[str, ...]:
         raise ConfigError(
             f"Config.disable_passes (or {DISABLE_PASSES_ENV}) names unknown passes {unknown}; known: {known}"
         )
+    return tuple(dict.fromkeys(names))
+
+
+def _leaf_module_names(value: Any) -> tuple[str, ...]:
+    """Config.leaf_modules as a tuple of names; a class stands for its full name."""
+    items = [value] if isinstance(value, (str, type)) else value
+    if isinstance(items, (set, frozenset)):
+        items = sorted(items, key=str)
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, (str, type)) and item for item in items):
+        raise ConfigError(f"Config.leaf_modules={value!r} must be a list of module classes, class names or "
+                          "qualified module names (e.g. ['Qwen2MoeSparseMoeBlock'] or ['model.layers.0.mlp'])")
+    names = [item if isinstance(item, str) else f"{item.__module__}.{item.__qualname__}" for item in items]
     return tuple(dict.fromkeys(names))
 
 

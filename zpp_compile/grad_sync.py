@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .runtime.agreement import check_same_eager_gather
 from .runtime.ops import AddPendingGrad, KeepGradLocal
 from .runtime.registry import REGISTRY
 
@@ -60,11 +61,12 @@ class GradAccumulator:
 
 
 def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
-    """`module.<name>`, gathered, with its gradient reduced, kept, or added to the kept one; inside
-    a layer compiled once (`Config.compile_layers_once`), whose parameters then hold the weights
-    its caller gathered in place of the shards, that weight as it is."""
+    """`module.<name>` inside forward (`forward_scope`): gathered, with its gradient reduced, kept,
+    or added to the kept one; inside a layer compiled once (`Config.compile_layers_once`), whose
+    parameters then hold the weights its caller gathered in place of the shards, that weight as it
+    is. Outside forward: the sharded parameter itself."""
     shard = module._parameters[name]
-    if not isinstance(shard, DTensor):
+    if not isinstance(shard, DTensor) or not module._zpp_scope.gathers():
         return shard
     return gather_local_shard(module, name, local_shard(module, name))
 
@@ -83,6 +85,8 @@ def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> tor
     """`module.<name>` gathered from this rank's part of its shard (`local_shard`), its gradient
     reduced, kept on this rank, or added to the kept one."""
     numel, shape, *op_args = module._zpp_gather_args[name]
+    if not torch.compiler.is_compiling():
+        _check_same_gather(module, name)
     weight = torch.ops.zpp.all_gather_param(local.reshape(-1), *op_args)[:numel].view(shape)
     accumulator = module._zpp_accumulators.get(name)
     if accumulator is None:
@@ -92,6 +96,15 @@ def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> tor
     if accumulator.pending is not None and torch.is_grad_enabled():
         return AddPendingGrad.apply(weight, accumulator.take_pending())
     return weight
+
+
+def _check_same_gather(module: nn.Module, name: str) -> None:
+    """Run eagerly: every rank gathers this parameter now, or every rank raises (`runtime.agreement`)."""
+    layout = module._zpp_layouts[name]
+    topology = REGISTRY.states[layout.sharding_id].topology
+    holder = type(module).__name__.removeprefix("Sharded")
+    what = f"{holder}.{name} (parameter {layout.index}, shape {tuple(layout.shape)})"
+    check_same_eager_gather(topology, layout.sharding_id, layout.index, what)
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -104,8 +117,9 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     """
     if not isinstance(requires_gradient_sync, bool):
         raise TypeError(f"requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
-    if not isinstance(model, nn.Module) or model not in REGISTRY.models:
-        raise ValueError("set_requires_gradient_sync needs a model sharded by zpp_compile.shard")
+    if not isinstance(model, nn.Module) or REGISTRY.state_of(model) is None:
+        raise ValueError("set_requires_gradient_sync needs a model sharded by zpp_compile.shard "
+                         "(or a module holding one)")
     accumulators: dict[int, GradAccumulator] = {}
     for module in model.modules():
         layouts = getattr(module, "_zpp_layouts", {})

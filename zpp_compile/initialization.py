@@ -201,9 +201,9 @@ def load_full_state_dict(
     its names (HF checkpoints keep one). With `strict=False`, missing entries keep their current
     values and extra ones are ignored. Values are cast to each parameter's or buffer's dtype.
     """
-    state = REGISTRY.models.get(model) if isinstance(model, nn.Module) else None
+    state = REGISTRY.state_of(model) if isinstance(model, nn.Module) else None
     if state is None:
-        raise ValueError("load_full_state_dict needs a model sharded by zpp_compile.shard; "
+        raise ValueError("load_full_state_dict needs a model sharded by zpp_compile.shard (or a module holding one); "
                          "load an unsharded model with model.load_state_dict")
     topology = state.topology
     if not isinstance(from_rank, int) or not 0 <= from_rank < topology.world_size:

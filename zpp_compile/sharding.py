@@ -3,12 +3,13 @@
 Each parameter becomes a DTensor sharded on dim 0 over all ranks (torch.chunk sizes, as FSDP2),
 so the optimizer, `clip_grad_norm_`, `state_dict()` and torch.distributed.checkpoint see ordinary
 sharded parameters under their original names. The module's class is swapped for a subclass
-whose properties return the gathered weight: reading `module.weight` calls the
-`zpp::all_gather_param` IR op on the local shard, and autograd reduces the gradient back to the
-shard through `zpp::reduce_grad`. Run eagerly this is plain ZeRO-3; under
-`torch.compile(backend="zeropp")` the passes rewrite those ops. With Config.compile_layers_once,
-each layer gathers all its parameters first and computes inside a compile region that
-torch.compile partitions and compiles once for every identical layer.
+whose properties return the gathered weight inside forward: reading `module.weight` there calls
+the `zpp::all_gather_param` IR op on the local shard, and autograd reduces the gradient back to
+the shard through `zpp::reduce_grad`; outside forward it is the shard itself (`forward_scope`).
+Run eagerly this is plain ZeRO-3; under `torch.compile(backend="zeropp")` the passes rewrite
+those ops. With Config.compile_layers_once, each layer gathers all its parameters first and
+computes inside a compile region that torch.compile partitions and compiles once for every
+identical layer.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .config import Config, ConfigError, regions_reuse_traces
+from . import leaf_modules
+from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .grad_sync import GatherArgs, gather_local_shard, gathered_weight, local_shard
-from .initialization import MetaInit, accept_full_tensors, broadcast_buffers, children_first
+from .initialization import MetaInit, accept_full_tensors, broadcast_buffers, children_first, listing
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
 from .runtime.registry import REGISTRY, ShardingState
@@ -46,6 +49,7 @@ class ParamLayout:
     dtype: torch.dtype  # compute dtype of the gathered weight
     reduce_dtype: torch.dtype
     sharding_id: int
+    index: int  # the parameter's place among the model's (tied ones share one), equal on every rank
 
     @property
     def gather_args(self) -> GatherArgs:
@@ -85,6 +89,10 @@ def shard(
     layer_nbytes = max(_gathered_nbytes(layer, config, topology.world.size) for layer in layers.values())
     sharding_id, state = _register(ShardingState(config, topology, padded_numel, tuple(layers), layer_nbytes))
     sharded: dict[int, nn.Parameter] = {}
+    indices: dict[int, int] = {}
+    scope = ForwardScope()
+    leaves = _leaf_modules(model, config)
+    in_leaves = {id(member) for leaf in leaves for member in leaf.modules()}
     for _, module in children_first(model):
         initialized = meta_init.materialize(module, topology.device)
         names = [name for name, p in module._parameters.items() if p is not None]
@@ -99,15 +107,24 @@ def shard(
                     "shards plain parameters (do not combine it with fully_shard or tensor parallel)"
                 )
             if id(param) not in sharded:
+                indices[id(param)] = len(sharded)
                 sharded[id(param)] = _shard_parameter(initialized.get(name, param), state)
             module._parameters[name] = sharded[id(param)]
-            layouts[name] = _layout(param, state, sharding_id)
+            layouts[name] = _layout(param, state, sharding_id, indices[id(param)])
         _set_layouts(module, layouts)
+        module._zpp_sharding_id = sharding_id
+        module._zpp_scope = scope
         module._zpp_accumulators = {}  # filled by set_requires_gradient_sync
-        module.__class__ = _gathering_class(type(module), frozenset(names))
+        if id(module) in in_leaves:
+            module._zpp_leaf_weights = {}  # filled while a leaf module around it runs
+        module.__class__ = _gathering_class(type(module), frozenset(names), id(module) in in_leaves)
         accept_full_tensors(module)
     if config.compile_layers_once:
         _compile_once(layers.values())
+    for leaf in leaves:
+        leaf_modules.attach(leaf)
+    attach_to_model(model, scope)
+    model.register_forward_pre_hook(_refuse_unsharded_trainable)
     broadcast_buffers(model, topology)
     REGISTRY.models[model] = state
     return model
@@ -119,11 +136,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     A collective (it all-gathers every parameter): call it on every rank. Every rank first checks
     that the others are calling it too, and raises RankMismatchError if not.
     """
-    if not isinstance(model, nn.Module) or model not in REGISTRY.models:
-        raise ValueError(
-            f"full_state_dict needs a model sharded by zpp_compile.shard, got {type(model).__name__}"
-        )
-    check_same_call(REGISTRY.models[model].topology, "zpp.full_state_dict")
+    state = REGISTRY.state_of(model) if isinstance(model, nn.Module) else None
+    if state is None:
+        raise ValueError(f"full_state_dict needs a model sharded by zpp_compile.shard (or a module holding one, "
+                         f"such as a PEFT wrapper around it), got {type(model).__name__}")
+    check_same_call(state.topology, "zpp.full_state_dict")
     shapes = {
         f"{prefix}.{name}" if prefix else name: layout.shape
         for prefix, module in model.named_modules(remove_duplicate=False)
@@ -135,6 +152,37 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             value = value.full_tensor().reshape(shapes[key])
         out[key] = value
     return out
+
+
+def _leaf_modules(model: nn.Module, config: Config) -> list[nn.Module]:
+    """The modules Config.leaf_modules names; a name that matches none is an error (a typo would
+    otherwise leave the model as it was)."""
+    named = [(name, module) for name, module in model.named_modules()]
+    unmatched = [item for item in config.leaf_modules
+                 if not any(leaf_modules.is_leaf(name, module, (item,)) for name, module in named)]
+    if unmatched:
+        classes = sorted({type(module).__name__ for _, module in named})
+        raise ConfigError(f"Config.leaf_modules names {unmatched}, which match no module of this "
+                          f"{type(model).__name__}; give class names ({listing(classes, 12)}) or qualified module "
+                          "names")
+    return [module for name, module in named if leaf_modules.is_leaf(name, module, config.leaf_modules)]
+
+
+def _refuse_unsharded_trainable(model: nn.Module, _args: Any) -> None:
+    """Raises before an eager forward of a sharded model that holds trainable parameters added after
+    `shard` (PEFT's adapters from `get_peft_model`, a new head): their gradients would never be
+    averaged across ranks, and each rank would train its own. Compiled, the backend refuses them."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return
+    unsharded = [name for name, p in model.named_parameters() if p.requires_grad and p not in REGISTRY.params]
+    if unsharded:
+        raise RuntimeError(
+            f"zeropp: {len(unsharded)} trainable parameter(s) of this sharded model are not sharded: "
+            f"{listing(unsharded)}. They were added after zpp_compile.shard, so their gradients would not be "
+            "averaged across ranks and every rank would train its own values. Shard after adding them (e.g. "
+            "model = peft.get_peft_model(model, lora_config), then zpp_compile.shard(model, config)), or freeze "
+            "them with requires_grad_(False)"
+        )
 
 
 def _layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -240,7 +288,7 @@ def _shard_parameter(param: nn.Parameter, state: ShardingState) -> nn.Parameter:
 def _shard_size(param: nn.Parameter, world_size: int) -> int:
     """Elements per rank: whole rows, padded so every rank holds the same number."""
     rows = param.shape[0] if param.dim() else 1
-    row_numel = param[0].numel() if param.dim() else 1
+    row_numel = math.prod(param.shape[1:])  # 1 for a 0-d or 1-d parameter; a (0, n) one has n
     return math.ceil(rows / world_size) * row_numel
 
 
@@ -249,7 +297,7 @@ def _padded_numel(param: nn.Parameter, world_size: int) -> int:
     return _shard_size(param, world_size) * world_size
 
 
-def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int) -> ParamLayout:
+def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int, index: int) -> ParamLayout:
     topology, config = state.topology, state.config
     world = topology.world
     return ParamLayout(
@@ -260,6 +308,7 @@ def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int) -> Para
         dtype=config.param_dtype or param.dtype,
         reduce_dtype=config.reduce_dtype,
         sharding_id=sharding_id,
+        index=index,
     )
 
 
@@ -269,22 +318,79 @@ def _set_layouts(module: nn.Module, layouts: dict[str, ParamLayout]) -> None:
     module._zpp_gather_args = {name: layout.gather_args for name, layout in layouts.items()}
 
 
-def _gathering_class(cls: type, names: frozenset[str]) -> type:
-    """`cls` with a property per parameter name that returns the gathered parameter, and an
-    `_apply` (behind `.to()`, `.bfloat16()`, ...) that converts the shards in place."""
-    key = (cls, names)
+def _gathering_class(cls: type, names: frozenset[str], in_leaf: bool) -> type:
+    """`cls` with a property per parameter name that returns the gathered parameter inside forward
+    (inside a leaf module, the weight it gathered on entry) and the shard elsewhere
+    (`forward_scope`), a forward counted as inside, a `__setattr__` that shards a parameter
+    assigned to one of those names (`_assign_parameter`), and an `_apply` (behind `.to()`,
+    `.bfloat16()`, ...) that converts the shards in place."""
+    key = (cls, names, in_leaf)
     if key not in REGISTRY.gathering_classes:
 
         def gathered(name: str) -> property:
+            if in_leaf:
+                return property(lambda self: _leaf_or_gathered(self, name))
             return property(lambda self: gathered_weight(self, name))
 
         def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
             return _apply_to_shards(self, lambda: cls._apply(self, fn, recurse), fn)
 
-        REGISTRY.gathering_classes[key] = type(
-            f"Sharded{cls.__name__}", (cls,), {**{name: gathered(name) for name in sorted(names)}, "_apply": _apply}
-        )
+        def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+            if name in names:
+                _assign_parameter(self, name, value)
+            else:
+                cls.__setattr__(self, name, value)
+
+        body = {name: gathered(name) for name in sorted(names)}
+        body.update(_apply=_apply, __setattr__=__setattr__, forward=counting_forward(cls.forward))
+        REGISTRY.gathering_classes[key] = type(f"Sharded{cls.__name__}", (cls,), body)
     return REGISTRY.gathering_classes[key]
+
+
+def _leaf_or_gathered(module: nn.Module, name: str) -> torch.Tensor:
+    weight = leaf_modules.leaf_weight(module, name)
+    return gathered_weight(module, name) if weight is None else weight
+
+
+def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
+    """`module.<name> = value` for a parameter name `shard` sharded: a shard of the same model
+    (tying two modules' parameters) is taken as it is; a plain Parameter is sharded as `shard`
+    shards (rank 0's values are kept: a collective, so every rank assigns), and must have the
+    shape of the parameter it replaces; None removes the parameter. As with a plain module, an
+    optimizer made before holds the old parameter."""
+    state = REGISTRY.states[module._zpp_sharding_id]
+    layouts, where = dict(module._zpp_layouts), f"{type(module).__name__.removeprefix('Sharded')}.{name}"
+    if value is None:
+        layouts.pop(name, None)
+        module._parameters[name] = None
+    elif not isinstance(value, nn.Parameter):
+        raise TypeError(f"cannot assign a {type(value).__name__} to {where}, a sharded parameter: assign an "
+                        "nn.Parameter (it is sharded over the ranks) or None")
+    else:
+        old = layouts.get(name)
+        if value in REGISTRY.params:
+            if REGISTRY.params[value] is not state:
+                raise ValueError(f"cannot assign to {where} a parameter of another sharded model; "
+                                 "tie parameters within one model, or shard the models together")
+            shape = old.shape if old is not None and old.shape.numel() == value.numel() else value.shape
+            new = value
+        elif isinstance(value, DTensor):
+            raise ValueError(f"cannot assign to {where} a DTensor parameter that zeropp did not shard; assign a "
+                             "plain nn.Parameter, which zeropp shards")
+        else:
+            shape = value.shape
+            new = _shard_parameter(value, state)
+        if old is not None and shape != old.shape:
+            raise ValueError(
+                f"cannot assign a parameter of shape {tuple(shape)} to {where}, sharded with shape "
+                f"{tuple(old.shape)}: a sharded parameter keeps its shape. Replace the module itself "
+                f"(`parent.child = nn.Linear(...)`) before zpp_compile.shard, or assign a parameter of that shape"
+            )
+        index = old.index if old is not None else -1  # -1: a parameter put where shard() found none
+        layouts[name] = dataclasses.replace(_layout(new, state, module._zpp_sharding_id, index), shape=shape)
+        module._parameters[name] = new
+    module._zpp_accumulators.pop(name, None)
+    _set_layouts(module, layouts)
 
 
 def _compile_once(layers: Iterable[nn.Module]) -> None:
