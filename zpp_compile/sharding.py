@@ -367,25 +367,22 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
         raise TypeError(f"cannot assign a {type(value).__name__} to {where}, a sharded parameter: assign an "
                         "nn.Parameter (it is sharded over the ranks) or None")
     else:
-        old = layouts.get(name)
-        if value in REGISTRY.params:
-            if REGISTRY.params[value] is not state:
-                raise ValueError(f"cannot assign to {where} a parameter of another sharded model; "
-                                 "tie parameters within one model, or shard the models together")
-            shape = old.shape if old is not None and old.shape.numel() == value.numel() else value.shape
-            new = value
-        elif isinstance(value, DTensor):
+        old, is_shard = layouts.get(name), value in REGISTRY.params
+        if is_shard and REGISTRY.params[value] is not state:
+            raise ValueError(f"cannot assign to {where} a parameter of another sharded model; "
+                             "tie parameters within one model, or shard the models together")
+        if not is_shard and isinstance(value, DTensor):
             raise ValueError(f"cannot assign to {where} a DTensor parameter that zeropp did not shard; assign a "
                              "plain nn.Parameter, which zeropp shards")
-        else:
-            shape = value.shape
-            new = _shard_parameter(value, state)
+        # A shard of a 0-d parameter holds one element; its layout keeps the shape ().
+        shape = old.shape if is_shard and old is not None and old.shape.numel() == value.numel() else value.shape
         if old is not None and shape != old.shape:
             raise ValueError(
                 f"cannot assign a parameter of shape {tuple(shape)} to {where}, sharded with shape "
                 f"{tuple(old.shape)}: a sharded parameter keeps its shape. Replace the module itself "
                 f"(`parent.child = nn.Linear(...)`) before zpp_compile.shard, or assign a parameter of that shape"
             )
+        new = value if is_shard else _shard_parameter(value, state)
         index = old.index if old is not None else -1  # -1: a parameter put where shard() found none
         layouts[name] = dataclasses.replace(_layout(new, state, module._zpp_sharding_id, index), shape=shape)
         module._parameters[name] = new
