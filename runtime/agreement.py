@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -88,30 +88,12 @@ def gather_schedule(
 def check_same_eager_gather(topology: Topology, sharding_id: int, index: int, what: str) -> None:
     """Raises RankMismatchError on every rank unless every rank is about to gather parameter
     `index` of sharding `sharding_id` now (`what` names it, for the message)."""
-    if topology.world_size == 1:
-        return
-    mine = torch.tensor([sharding_id, index], dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(topology.world_size)]
-    try:
-        dist.all_gather(everyone, mine, group=topology.agreement)
-    except RuntimeError as error:
-        raise RankMismatchError(
-            f"zeropp: rank {topology.rank} is about to gather {what} and waited in vain for the other ranks to gather "
-            "a parameter too: they run other collectives, hung past Config.collective_timeout_s, or died. Backend "
-            f"error: {error}"
-        ) from error
-    if any(not torch.equal(theirs, mine) for theirs in everyone):
-        doing = _all_gather(topology, f"gathering {what}", "an eager parameter gather")
-        groups: dict[str, list[int]] = {}
-        for rank, theirs in enumerate(doing):
-            groups.setdefault(theirs, []).append(rank)
-        raise RankMismatchError(
-            "zeropp: the ranks are about to gather different parameters, which would hang, abort the backend or mix "
-            f"two parameters' values: {'; '.join(f'{_ranks(ranks)} {theirs}' for theirs, ranks in groups.items())}. "
-            "Every rank must gather the same parameters in the same order: a module whose use of its weights depends "
-            "on the data (a mixture of experts skipping experts no token chose, a branch on the input) belongs in "
-            f"Config.leaf_modules, which gathers its parameters together on entry. (This is rank {topology.rank}.)"
-        )
+    if topology.world_size > 1:
+        digest = hashlib.sha256(f"gather {sharding_id} {index}".encode()).hexdigest()
+        _agree(topology, f"is gathering {what}", digest, (what,), in_thread=False, advice=(
+            "a module whose use of its weights depends on the data (a mixture of experts skipping experts no token "
+            "chose, a branch on the input) belongs in Config.leaf_modules, which gathers its parameters together on "
+            "entry; "))
 
 
 def check_same_call(topology: Topology, call: str) -> None:
@@ -120,29 +102,46 @@ def check_same_call(topology: Topology, call: str) -> None:
         _agree(topology, f"called {call}", hashlib.sha256(call.encode()).hexdigest(), (call,))
 
 
-def _agree(topology: Topology, doing: str, digest: str, schedule: tuple[str, ...]) -> None:
+def _agree(topology: Topology, doing: str, digest: str, schedule: tuple[str, ...], *, in_thread: bool = True,
+           advice: str = "") -> None:
     """Compares `digest` (of `schedule`) across ranks; on a difference every rank raises, with
-    what each rank is `doing` and where the schedules part in the message."""
-    everyone = _all_gather(topology, (doing, digest), doing)
-    if any(theirs != digest for _, theirs in everyone):
-        # Every rank got the same list, so every rank is here: the schedules follow, for the message.
-        schedules = _all_gather(topology, schedule, doing)
-        raise RankMismatchError(_mismatch(topology.rank, everyone, schedules))
+    what each rank is `doing`, where the schedules part, and `advice`, in the message.
+
+    Every check exchanges one fixed-size digest first, so that two different checks meeting on the
+    group (one rank gathering eagerly while another calls `full_state_dict`) compare digests and
+    raise, rather than exchange buffers of different sizes, which gloo aborts the process for."""
+    mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
+    digests = [torch.empty_like(mine) for _ in range(topology.world_size)]
+
+    def exchange() -> None:
+        dist.all_gather(digests, mine, group=topology.agreement)
+
+    _in_thread(exchange, topology, doing) if in_thread else _reraising_timeout(exchange, topology, doing)
+    if any(not torch.equal(theirs, mine) for theirs in digests):
+        # Every rank got the same digests, so every rank is here: what each does follows, for the message.
+        everyone = _all_gather(topology, (doing, schedule), doing)
+        raise RankMismatchError(_mismatch(topology.rank, [bytes(d.tolist()).hex() for d in digests], everyone, advice))
 
 
 def _all_gather(topology: Topology, value: Any, doing: str) -> list[Any]:
-    """Every rank's `value`, exchanged in a thread of its own, outside the compiling thread's
-    dispatch state: under a fake tensor mode or the Python dispatcher (which compilation may have
-    on) a gloo collective waits for gloo's worker thread while holding the GIL, which the worker
-    may need to free the previous collective's tensors (a deadlock)."""
-    def exchange() -> list[Any]:
-        gathered: list[Any] = [None] * topology.world_size
-        dist.all_gather_object(gathered, value, group=topology.agreement)
-        return gathered
+    """Every rank's `value`, over the agreement group (`_in_thread`)."""
+    gathered: list[Any] = [None] * topology.world_size
+    _in_thread(lambda: dist.all_gather_object(gathered, value, group=topology.agreement), topology, doing)
+    return gathered
 
+
+def _in_thread(exchange: Callable[[], None], topology: Topology, doing: str) -> None:
+    """Runs `exchange` in a thread of its own, outside the compiling thread's dispatch state: under a
+    fake tensor mode or the Python dispatcher (which compilation may have on) a gloo collective waits
+    for gloo's worker thread while holding the GIL, which the worker may need to free the previous
+    collective's tensors (a deadlock)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-agreement") as pool:
+        _reraising_timeout(lambda: pool.submit(exchange).result(), topology, doing)
+
+
+def _reraising_timeout(exchange: Callable[[], None], topology: Topology, doing: str) -> None:
     try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-agreement") as pool:
-            return pool.submit(exchange).result()
+        exchange()
     except RuntimeError as error:  # the group's timeout (Config.collective_timeout_s), or a peer gone
         raise RankMismatchError(
             f"zeropp compares the collectives of what each rank does next across ranks, and rank "
@@ -152,23 +151,24 @@ def _all_gather(topology: Topology, value: Any, doing: str) -> list[Any]:
         ) from error
 
 
-def _mismatch(rank: int, everyone: list[tuple[str, str]], schedules: list[tuple[str, ...]]) -> str:
+def _mismatch(rank: int, digests: list[str], everyone: list[tuple[str, tuple[str, ...]]], advice: str) -> str:
     """What each group of ranks was doing, and where the first differing group's schedule parts
     from rank 0's."""
     groups: dict[str, list[int]] = {}
-    for r, (_, digest) in enumerate(everyone):
+    for r, digest in enumerate(digests):
         groups.setdefault(digest, []).append(r)
     ranks = list(groups.values())
     doing = "; ".join(f"{_ranks(g)} {everyone[g[0]][0]}" for g in ranks[:4])
-    first, other = schedules[ranks[0][0]], schedules[ranks[1][0]]
+    first, other = everyone[ranks[0][0]][1], everyone[ranks[1][0]][1]
     index = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
     at = lambda schedule: schedule[index] if index < len(schedule) else "nothing (its schedule ends)"  # noqa: E731
     return (
         f"zeropp: the ranks are about to issue different collectives, which would hang or abort the backend: "
         f"{doing}. First difference: {_ranks(ranks[0])} {at(first)}; {_ranks(ranks[1])} {at(other)}. "
-        "Every rank must gather the same parameters in the same order and make the same collective calls: look "
-        "for a branch that depends on the rank or on data only some ranks see (e.g. `if dist.get_rank() == 0:` "
-        f"around a layer), and call zpp.full_state_dict on every rank. (This is rank {rank}.)"
+        "Every rank must gather the same parameters in the same order and make the same collective calls: "
+        f"{advice}look for a branch that depends on the rank or on data only some ranks see (e.g. "
+        "`if dist.get_rank() == 0:` around a layer), and call zpp.full_state_dict on every rank. "
+        f"(This is rank {rank}.)"
     )
 
 

@@ -264,6 +264,22 @@ class KeepGradLocal(torch.autograd.Function):
         return None, grad.to(ctx.sink_dtype)
 
 
+class FromEveryReplica(torch.autograd.Function):
+    """The value of a replicated (0-d) parameter from its gather, in which every rank's copy
+    arrives (all equal): forward takes the first; backward hands the gradient to every copy, so
+    that the reduction gives each rank the mean gradient, as a parameter every rank holds needs
+    (a sharded one needs only its own rows')."""
+
+    @staticmethod
+    def forward(ctx, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.copies = gathered.numel()
+        return gathered[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.reshape(1).expand(ctx.copies).contiguous()
+
+
 class AddPendingGrad(torch.autograd.Function):
     """`weight` in forward; in backward `pending` (gradients kept while sync was off) is added to
     its gradient before `zpp::reduce_grad` reduces it, so an accumulation window costs one reduction.

@@ -22,7 +22,7 @@ from distributed import device, in_turn, run_ranks
 from models import TinyTransformer, batches
 from training import PER_RANK
 
-STEPS = 3
+STEPS = 4  # one before the edits, three after
 MODES = ("eager", "aot", "inductor")
 
 
@@ -59,7 +59,7 @@ def assert_matches(sharded: nn.Module, reference: nn.Module) -> None:
 
 
 def outside_forward_run(rank: int, world_size: int, mode: str) -> None:
-    """One step, the edits, reads on rank 0 alone, two more steps, then a gradient: each equal to
+    """One step, the edits, reads on rank 0 alone, three more steps, then a gradient: each equal to
     the unsharded model's with the same edits."""
     data, mine = batches(STEPS, world_size, PER_RANK), slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     torch.manual_seed(0)
@@ -78,6 +78,7 @@ def outside_forward_run(rank: int, world_size: int, mode: str) -> None:
         assert isinstance(weight, DTensor) and weight is model.blocks[0].fc._parameters["weight"]
         assert weight.shape == (99, 24) and weight.dtype == torch.float32 and weight.grad is None
         assert model.head.weight is model.embed.weight, "tied weights came apart"
+        assert model.blocks[0].gate.shape == () and model.blocks[0].gate.to_local().shape == ()  # 0-d: replicated
         print(f"fc norm on rank 0: {float(weight.to_local().detach().norm()):.4f}, shapes "
               f"{[tuple(p.shape) for p in model.parameters()][:4]}")
     assert model.blocks[1].qkv.weight.placements == model.blocks[0].qkv.weight.placements
@@ -142,13 +143,12 @@ def gather_ops_run(rank: int, world_size: int) -> list[dict[str, int]]:
 def test_outside_forward_reads_writes_and_refusals():
     calls = [(outside_forward_run, mode) for mode in MODES] + [(refusals_run,), (gather_ops_run,)]
     extra, missing = run_ranks(in_turn, 2, calls)[0][-1]
-    # 29 parameter reads (the tied weight twice, the frozen `pos` once), each one gather chain, and nothing else.
-    chain = ("to_local", "reshape", "zpp.all_gather_param", "<built-in function getitem>", "view")
-    assert extra == dict.fromkeys(chain, 29) and missing == {}, (extra, missing)
+    # 29 parameter reads (the tied weight twice, the frozen `pos` once), each one gather chain, and nothing
+    # else: 27 view the gathered rows as the weight, the 0-d gate's 2 take one replica (FromEveryReplica).
+    chain = dict.fromkeys(("to_local", "reshape", "zpp.all_gather_param", "<built-in function getitem>"), 29)
+    assert extra == {**chain, "view": 27, "autograd_function_apply": 2} and missing == {}, (extra, missing)
 
 
-def test_outside_forward_at_world_3():
-    run_ranks(in_turn, 3, [(outside_forward_run, "eager"), (outside_forward_run, "aot")])
 
 
 # -- PEFT -----------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def moe_without_leaf_run(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     model = zpp.shard(tiny_mixtral())
     tokens = batches(1, world_size, 1, vocab=61)[0][0][rank:rank + 1].to(device())
-    with pytest.raises(zpp.RankMismatchError, match="about to gather different parameters") as error:
+    with pytest.raises(zpp.RankMismatchError, match="about to issue different collectives") as error:
         model(input_ids=tokens, labels=tokens).loss.backward()
     return str(error.value)
 
@@ -270,8 +270,9 @@ def test_leaf_modules_mixture_of_experts():
     assert "Config.leaf_modules" in results[0][2] and results[0][2] == results[1][2].replace("rank 1.)", "rank 0.)")
 
 
-def test_leaf_modules_at_world_3():
-    run_ranks(in_turn, 3, [(moe_run, "eager")])
+def test_world_3():
+    """Uneven shards (world 3): the edits between steps, and the mixture of experts with leaf modules."""
+    run_ranks(in_turn, 3, [(outside_forward_run, "eager"), (moe_run, "eager")])
 
 
 # -- Smaller ones -----------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .initialization import listing, shard_rows
 from .runtime.registry import REGISTRY
@@ -200,7 +200,10 @@ def _checksum(tensor: torch.Tensor, first_element: int = 0) -> tuple[int, int]:
 
 
 def _checksum_part(tensor: DTensor) -> tuple[int, int]:
-    """This rank's part of the checksum of a dim-0 sharded tensor."""
+    """This rank's part of the checksum of a dim-0 sharded tensor, or of a replicated 0-d one
+    (rank 0's copy counts once)."""
+    if tuple(tensor.placements) == (Replicate(),) and tensor.dim() == 0:
+        return _checksum(tensor.to_local()) if tensor.device_mesh.get_local_rank() == 0 else (0, 0)
     if tuple(tensor.placements) != (Shard(0),):
         raise CheckpointError(
             f"zpp checkpoints hold zeropp's dim-0 sharded tensors; got placements {tensor.placements}"

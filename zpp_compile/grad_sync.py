@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .runtime.agreement import check_same_eager_gather
-from .runtime.ops import AddPendingGrad, KeepGradLocal
+from .runtime.ops import AddPendingGrad, FromEveryReplica, KeepGradLocal
 from .runtime.registry import REGISTRY
 
 
@@ -87,7 +87,8 @@ def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> tor
     numel, shape, *op_args = module._zpp_gather_args[name]
     if not torch.compiler.is_compiling():
         _check_same_gather(module, name)
-    weight = torch.ops.zpp.all_gather_param(local.reshape(-1), *op_args)[:numel].view(shape)
+    gathered = torch.ops.zpp.all_gather_param(local.reshape(-1), *op_args)
+    weight = FromEveryReplica.apply(gathered) if not shape else gathered[:numel].view(shape)
     accumulator = module._zpp_accumulators.get(name)
     if accumulator is None:
         return weight

@@ -173,10 +173,10 @@ def _full_tensors_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_
         key = prefix + name
         value, param = state_dict.get(key), module._parameters[name]
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == layout.shape:
-            start, stop = shard_rows(param)
-            local = value.detach().reshape(param.shape)[start:stop].to(param.device)
-            state_dict[key] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                                 shape=param.shape, stride=param.stride())
+            full = value.detach().reshape(param.shape)
+            local = full if param.dim() == 0 else full[slice(*shard_rows(param))]
+            state_dict[key] = DTensor.from_local(local.to(param.device), param.device_mesh, param.placements,
+                                                 run_check=False, shape=param.shape, stride=param.stride())
 
 
 def shard_rows(tensor: DTensor) -> tuple[int, int]:
@@ -222,8 +222,10 @@ def load_full_state_dict(
             if name is None or tensor.numel() == 0:
                 continue
             value = state_dict[name] if topology.rank == from_rank else None
-            if isinstance(tensor, DTensor):
+            if isinstance(tensor, DTensor) and tensor.dim():
                 _scatter_rows(tensor, value, from_rank, topology)
+            elif isinstance(tensor, DTensor):  # a 0-d parameter: every rank holds it
+                _broadcast_into(tensor.to_local(), value, from_rank, topology)
             else:
                 _broadcast_into(tensor, value, from_rank, topology)
 

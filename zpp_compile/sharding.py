@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .config import Config, ConfigError, regions_reuse_traces
@@ -277,9 +277,10 @@ def _topology(config: Config) -> Topology:
 
 
 def _shard_parameter(param: nn.Parameter, state: ShardingState) -> nn.Parameter:
-    # A 0-d parameter is sharded as a 1-element vector; its layout restores the shape.
-    full = param.detach().reshape(1) if param.dim() == 0 else param.detach()
-    shard = distribute_tensor(full.to(state.topology.device), state.topology.mesh, [Shard(0)])
+    # A 0-d parameter has no dim 0 to shard: every rank holds it (rank 0's value), and gathering
+    # it gives every rank the mean gradient (`runtime.ops.FromEveryReplica`).
+    placement = Replicate() if param.dim() == 0 else Shard(0)
+    shard = distribute_tensor(param.detach().to(state.topology.device), state.topology.mesh, [placement])
     out = nn.Parameter(shard, requires_grad=param.requires_grad)
     REGISTRY.params[out] = state
     return out
@@ -374,8 +375,7 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
         if not is_shard and isinstance(value, DTensor):
             raise ValueError(f"cannot assign to {where} a DTensor parameter that zeropp did not shard; assign a "
                              "plain nn.Parameter, which zeropp shards")
-        # A shard of a 0-d parameter holds one element; its layout keeps the shape ().
-        shape = old.shape if is_shard and old is not None and old.shape.numel() == value.numel() else value.shape
+        shape = value.shape
         if old is not None and shape != old.shape:
             raise ValueError(
                 f"cannot assign a parameter of shape {tuple(shape)} to {where}, sharded with shape "
