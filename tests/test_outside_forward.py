@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 import zpp_compile as zpp
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES, GraphPass
-from distributed import device, in_turn, run_ranks
+from distributed import BACKEND, device, in_turn, run_ranks
 from models import TinyTransformer, batches
 from training import PER_RANK
 
@@ -48,14 +48,14 @@ def edit(model: nn.Module) -> None:
         model.head.weight.add_(0.01)  # tied to embed.weight: both change
     nn.init.zeros_(model.blocks[1].proj.bias)
     model.blocks[0].out.weight.data += 0.02
-    model.blocks[1].qkv.weight = nn.Parameter(torch.linspace(-0.1, 0.1, 72 * 24).view(72, 24))
+    model.blocks[1].qkv.weight = nn.Parameter(torch.linspace(-0.1, 0.1, 72 * 24, device=device()).view(72, 24))
     model.norm.weight.requires_grad_(False)
 
 
-def assert_matches(sharded: nn.Module, reference: nn.Module) -> None:
+def assert_matches(sharded: nn.Module, reference: nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     full = zpp.full_state_dict(sharded)
     for key, value in reference.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(full[key], value, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
 
 
 def outside_forward_run(rank: int, world_size: int, mode: str) -> None:
@@ -127,8 +127,9 @@ def gather_ops_run(rank: int, world_size: int) -> list[dict[str, int]]:
     graphs = []
 
     def recording(gm, _inputs):
-        graphs.append(collections.Counter(str(n.target) for n in gm.graph.nodes
-                                          if n.op in ("call_function", "call_method")))
+        # Some torch versions trace `to_local` as a closure of its own per call.
+        graphs.append(collections.Counter("to_local" if "to_local" in str(n.target) else str(n.target)
+                                          for n in gm.graph.nodes if n.op in ("call_function", "call_method")))
         return gm.forward
 
     tokens, targets = (t.to(device()) for t in batches(1, world_size)[0])
@@ -247,7 +248,9 @@ def moe_run(rank: int, world_size: int, mode: str) -> list[list[int]]:
     losses = torch.stack(lm_steps(model, compiled(model, mode), data, mine))
     torch.distributed.all_reduce(losses)
     torch.testing.assert_close(losses.cpu() / world_size, torch.stack(expected).cpu(), rtol=1e-5, atol=0)
-    assert_matches(model, reference)
+    # On GPUs each rank's experts multiply fewer tokens than the reference's, in other GEMM shapes that
+    # round apart (measured 7e-6 at most on H100s); an unaveraged or lost gradient is off by far more.
+    assert_matches(model, reference, rtol=1e-4, atol=2e-5)
     return chosen
 
 
@@ -270,6 +273,7 @@ def test_leaf_modules_mixture_of_experts():
     assert "Config.leaf_modules" in results[0][2] and results[0][2] == results[1][2].replace("rank 1.)", "rank 0.)")
 
 
+@pytest.mark.skipif(BACKEND == "nccl" and torch.cuda.device_count() < 3, reason="NCCL needs a GPU per rank")
 def test_world_3():
     """Uneven shards (world 3): the edits between steps, and the mixture of experts with leaf modules."""
     run_ranks(in_turn, 3, [(outside_forward_run, "eager"), (moe_run, "eager")])
