@@ -267,8 +267,8 @@ class KeepGradLocal(torch.autograd.Function):
 class FromEveryReplica(torch.autograd.Function):
     """The value of a replicated (0-d) parameter from its gather, in which every rank's copy
     arrives (all equal): forward takes the first; backward hands the gradient to every copy, so
-    that the reduction gives each rank the mean gradient, as a parameter every rank holds needs
-    (a sharded one needs only its own rows')."""
+    that the reduction gives each rank the mean gradient: every rank holds the whole parameter and
+    updates it alike (a sharded parameter's rank needs only the gradient of the rows it holds)."""
 
     @staticmethod
     def forward(ctx, gathered: torch.Tensor) -> torch.Tensor:
