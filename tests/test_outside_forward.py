@@ -23,6 +23,7 @@ from models import TinyTransformer, batches
 from training import PER_RANK
 
 STEPS = 4  # one before the edits, three after
+LM_STEPS = 3  # the HF models' runs
 MODES = ("eager", "aot", "inductor")
 
 
@@ -183,7 +184,7 @@ def lm_steps(model: nn.Module, step_fn, data: list[torch.Tensor], rows: slice) -
 def lora_run(rank: int, world_size: int, mode: str, checkpoint_dir: str) -> None:
     """LoRA added before `shard` trains its adapters as the unsharded PEFT model does; the wrapper
     saves and loads checkpoints and full state dicts; `merge_and_unload` merges into the shards."""
-    data, mine = [b[0] for b in batches(STEPS, world_size, PER_RANK, vocab=61)], slice(rank * 2, rank * 2 + 2)
+    data, mine = [b[0] for b in batches(LM_STEPS, world_size, PER_RANK, vocab=61)], slice(rank * 2, rank * 2 + 2)
     torch.manual_seed(0)
     reference = with_lora(tiny_llama())
     expected = lm_steps(reference, reference, data, slice(None))
@@ -236,7 +237,7 @@ def tiny_mixtral() -> nn.Module:
 def moe_run(rank: int, world_size: int, mode: str) -> list[list[int]]:
     """Mixtral's eager experts loop (it skips experts no token chose) with its experts a leaf
     module; returns the experts each step's first layer ran on this rank."""
-    data, mine = [b[0] for b in batches(STEPS, world_size, 1, vocab=61)], slice(rank, rank + 1)
+    data, mine = [b[0] for b in batches(LM_STEPS, world_size, 1, vocab=61)], slice(rank, rank + 1)
     torch.manual_seed(0)
     reference = tiny_mixtral()
     expected = lm_steps(reference, reference, data, slice(None))
