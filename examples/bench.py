@@ -1,6 +1,6 @@
 """FSDP2, DeepSpeed and zeropp side by side: one launch, one process group, the same model and data.
 
-    torchrun --nproc_per_node=2 examples/bench.py                    # GPUs: DESIGN.md section 6's GPT
+    torchrun --nproc_per_node=2 examples/bench.py                    # GPUs: the 607M-parameter GPT
     torchrun --nproc_per_node=2 examples/bench.py --slow-link        # NCCL without NVLink/SHM
     torchrun --nproc_per_node=2 examples/bench.py --variants zero3,all3 --steps 5
     torchrun --nproc_per_node=2 examples/bench.py --model llama-3b --seq 4096 --batch 1 --rounds 3
@@ -251,7 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fill_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
-    """DESIGN.md section 6's GPT on GPUs; a model that runs in seconds on CPU (the CI smoke test).
+    """The 607M-parameter GPT on GPUs; a model that runs in seconds on CPU (the CI smoke test).
     A Llama shape brings its own width, heads and depth."""
     gpu = {"dim": 2048, "layers": 12, "heads": 16, "seq": 1024, "batch": 2, "steps": 10, "warmup": 3}
     cpu = {"dim": 64, "layers": 2, "heads": 2, "seq": 64, "batch": 2, "steps": 2, "warmup": 1}
