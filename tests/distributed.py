@@ -2,11 +2,20 @@
 
 CPU runs use gloo. With ZPP_TEST_BACKEND=nccl (the GPU machine) each rank uses NCCL and GPU
 `rank`, so the same tests run on both.
+
+Starting a rank costs seconds (importing torch and Inductor), more than many tests' work, so the
+ranks of one call stay up for the next call of the same world size: each call then starts from
+what a new process would see (Dynamo's graphs and the communication ledger forgotten, the default
+random generators reseeded). A call made under other environment variables starts new ranks (they
+read them at start); a call that fails, times out or waits only for some ranks, or asks for `fresh`
+processes (a test of what a new process does), ends its ranks.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import itertools
 import os
 import queue
 import socket
@@ -28,42 +37,107 @@ def device() -> torch.device:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
-              reporting: Iterable[int] | None = None) -> list[Any]:
+              reporting: Iterable[int] | None = None, fresh: bool = False) -> list[Any]:
     """fn(rank, world_size, *args) on every rank; returns the ranks' results in rank order.
 
     A rank that raises fails the test with its traceback; ranks that do not finish within
     `timeout_s` are killed and the test fails. With `reporting`, only those ranks' results are
     awaited and returned (in rank order); the others (a rank made to die or hang) are then killed.
+    With `fresh`, the ranks are new processes, ended after the call.
     """
     awaited = sorted(set(range(world_size) if reporting is None else reporting))
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    procs = [
-        context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args), daemon=True)
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    outcome: dict[int, tuple[str, Any]] = {}
-    try:
-        while not set(awaited) <= outcome.keys():
-            rank, status, value = results.get(timeout=timeout_s)
-            outcome[rank] = (status, value)
-            if status == "error":
-                break
-    except queue.Empty:
-        raise AssertionError(f"ranks {sorted(set(awaited) - set(outcome))} did not finish in {timeout_s}s")
-    finally:
-        for rank, p in enumerate(procs):
-            p.join(timeout=30 if rank in outcome and set(awaited) <= outcome.keys() else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    keep = reporting is None and not fresh
+    ranks = _RANKS.take(world_size) if keep else _Ranks(world_size)
+    outcome = ranks.call(fn, args, awaited, timeout_s)
+    failed = bool(set(awaited) - outcome.keys()) or any(status == "error" for status, _ in outcome.values())
+    if keep and not failed:
+        _RANKS.give_back(ranks)
+    else:
+        ranks.end(answered=outcome.keys())
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcome.items()) if s == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
+    if set(awaited) - outcome.keys():
+        raise AssertionError(f"ranks {sorted(set(awaited) - outcome.keys())} did not finish in {timeout_s}s")
     return [outcome[r][1] for r in awaited]
+
+
+class _Ranks:
+    """`world_size` spawned processes in one process group, each running the calls sent to it."""
+
+    def __init__(self, world_size: int) -> None:
+        context = mp.get_context("spawn")
+        self.world_size = world_size
+        self.environ = _environ()  # what the ranks read at start
+        self.results = context.Queue()
+        self.calls = [context.Queue() for _ in range(world_size)]
+        self.call_ids = itertools.count()
+        port = _free_port()
+        self.procs = [
+            context.Process(target=_rank_main, args=(rank, world_size, port, self.calls[rank], self.results),
+                            daemon=True)
+            for rank in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def call(self, fn: Callable[..., Any], args: tuple, awaited: list[int],
+             timeout_s: float) -> dict[int, tuple[str, Any]]:
+        """Runs fn on every rank; {rank: ("ok", result) or ("error", traceback)} for the awaited ranks
+        that finished, up to the first error."""
+        call_id = next(self.call_ids)
+        for calls in self.calls:
+            calls.put((call_id, fn, args))
+        outcome: dict[int, tuple[str, Any]] = {}
+        try:
+            while not set(awaited) <= outcome.keys():
+                answered_id, rank, status, value = self.results.get(timeout=timeout_s)
+                if answered_id in (call_id, None):  # None: the rank failed to join the group
+                    outcome[rank] = (status, value)
+                    if status == "error":
+                        break
+        except queue.Empty:
+            pass
+        return outcome
+
+    def end(self, answered: Iterable[int]) -> None:
+        """Stops the ranks: asked to, and killed unless they answered the last call and stop soon."""
+        for calls in self.calls:
+            calls.put(None)
+        answered = set(answered)
+        for rank, p in enumerate(self.procs):
+            p.join(timeout=30 if rank in answered else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class _KeptRanks:
+    """The ranks kept between calls: one group at a time, so idle processes hold little memory."""
+
+    def __init__(self) -> None:
+        self.kept: _Ranks | None = None
+        atexit.register(self.end)
+
+    def take(self, world_size: int) -> _Ranks:
+        ranks, self.kept = self.kept, None
+        if (ranks is not None and ranks.world_size == world_size and ranks.environ == _environ()
+                and all(p.is_alive() for p in ranks.procs)):
+            return ranks
+        if ranks is not None:
+            ranks.end(answered=range(ranks.world_size))
+        return _Ranks(world_size)
+
+    def give_back(self, ranks: _Ranks) -> None:
+        self.kept = ranks
+
+    def end(self) -> None:
+        if self.kept is not None:
+            self.kept.end(answered=range(self.kept.world_size))
+            self.kept = None
+
+
+_RANKS = _KeptRanks()
 
 
 def optimizer_steps(opt: torch.optim.Optimizer, step_fn: Callable[..., torch.Tensor], data: list,
@@ -96,7 +170,7 @@ def for_each_config(rank: int, world_size: int, fn: Callable[..., Any], configs:
     return in_turn(rank, world_size, [(fn, config) for config in configs])
 
 
-def _rank_main(fn, rank, world_size, port, results, args) -> None:
+def _rank_main(rank, world_size, port, calls, results) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -107,12 +181,25 @@ def _rank_main(fn, rank, world_size, port, results, args) -> None:
         torch.cuda.set_device(rank)
     try:
         dist.init_process_group(BACKEND, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
-        results.put((rank, "ok", fn(rank, world_size, *args)))
-    except BaseException:  # report everything, including assertion failures, to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:
+        results.put((None, rank, "error", traceback.format_exc()))
+        return
+    seed = torch.initial_seed()
+    while (call := calls.get()) is not None:
+        call_id, fn, args = call
+        torch.compiler.reset()
+        zpp.reset_comm_report()
+        torch.manual_seed(seed)
+        try:
+            results.put((call_id, rank, "ok", fn(rank, world_size, *args)))
+        except BaseException:  # report everything, including assertion failures, to the parent
+            results.put((call_id, rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _environ() -> dict[str, str]:
+    """The environment variables a rank starts with, less the one pytest changes for every test."""
+    return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
 
 
 def _free_port() -> int:

@@ -151,8 +151,6 @@ def test_outside_forward_reads_writes_and_refusals():
     assert extra == {**chain, "view": 27, "autograd_function_apply": 2} and missing == {}, (extra, missing)
 
 
-
-
 # -- PEFT -----------------------------------------------------------------------------------------
 
 def tiny_llama() -> nn.Module:
