@@ -116,7 +116,10 @@ def _agree(topology: Topology, doing: str, digest: str, schedule: tuple[str, ...
     def exchange() -> None:
         dist.all_gather(digests, mine, group=topology.agreement)
 
-    _in_thread(exchange, topology, doing) if in_thread else _reraising_timeout(exchange, topology, doing)
+    if in_thread:
+        _in_thread(exchange, topology, doing)
+    else:
+        _reraising_timeout(exchange, topology, doing)
     if any(not torch.equal(theirs, mine) for theirs in digests):
         # Every rank got the same digests, so every rank is here: what each does follows, for the message.
         everyone = _all_gather(topology, (doing, schedule), doing)
@@ -140,6 +143,8 @@ def _in_thread(exchange: Callable[[], None], topology: Topology, doing: str) -> 
 
 
 def _reraising_timeout(exchange: Callable[[], None], topology: Topology, doing: str) -> None:
+    """Runs `exchange`; the group's timeout or a peer gone becomes a RankMismatchError saying what this
+    rank was `doing`."""
     try:
         exchange()
     except RuntimeError as error:  # the group's timeout (Config.collective_timeout_s), or a peer gone

@@ -159,8 +159,7 @@ def in_turn(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
     graphs and the ledger its collectives (what comm_report and secondary_copy_bytes read)."""
     results = []
     for fn, *args in calls:
-        torch.compiler.reset()
-        zpp.reset_comm_report()
+        _forget_compiled()
         results.append(fn(rank, world_size, *args))
     return results
 
@@ -187,14 +186,20 @@ def _rank_main(rank, world_size, port, calls, results) -> None:
     seed = torch.initial_seed()
     while (call := calls.get()) is not None:
         call_id, fn, args = call
-        torch.compiler.reset()
-        zpp.reset_comm_report()
+        _forget_compiled()
         torch.manual_seed(seed)
         try:
             results.put((call_id, rank, "ok", fn(rank, world_size, *args)))
         except BaseException:  # report everything, including assertion failures, to the parent
             results.put((call_id, rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _forget_compiled() -> None:
+    """Dynamo forgets its graphs, and the ledger their collectives (what comm_report and
+    secondary_copy_bytes read)."""
+    torch.compiler.reset()
+    zpp.reset_comm_report()
 
 
 def _environ() -> dict[str, str]:

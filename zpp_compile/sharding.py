@@ -375,16 +375,15 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
         if not is_shard and isinstance(value, DTensor):
             raise ValueError(f"cannot assign to {where} a DTensor parameter that zeropp did not shard; assign a "
                              "plain nn.Parameter, which zeropp shards")
-        shape = value.shape
-        if old is not None and shape != old.shape:
+        if old is not None and value.shape != old.shape:
             raise ValueError(
-                f"cannot assign a parameter of shape {tuple(shape)} to {where}, sharded with shape "
+                f"cannot assign a parameter of shape {tuple(value.shape)} to {where}, sharded with shape "
                 f"{tuple(old.shape)}: a sharded parameter keeps its shape. Replace the module itself "
                 f"(`parent.child = nn.Linear(...)`) before zpp_compile.shard, or assign a parameter of that shape"
             )
         new = value if is_shard else _shard_parameter(value, state)
         index = old.index if old is not None else -1  # -1: a parameter put where shard() found none
-        layouts[name] = dataclasses.replace(_layout(new, state, module._zpp_sharding_id, index), shape=shape)
+        layouts[name] = _layout(new, state, module._zpp_sharding_id, index)
         module._parameters[name] = new
     module._zpp_accumulators.pop(name, None)
     _set_layouts(module, layouts)
