@@ -19,6 +19,7 @@ import itertools
 import os
 import queue
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -113,28 +114,28 @@ class _Ranks:
 
 
 class _KeptRanks:
-    """The ranks kept between calls: one group at a time, so idle processes hold little memory."""
+    """The ranks kept between calls: a group per world size, so that tests alternating between
+    world sizes do not start new ranks each time (idle ranks wait on their queues, using no CPU)."""
 
     def __init__(self) -> None:
-        self.kept: _Ranks | None = None
+        self.kept: dict[int, _Ranks] = {}
         atexit.register(self.end)
 
     def take(self, world_size: int) -> _Ranks:
-        ranks, self.kept = self.kept, None
-        if (ranks is not None and ranks.world_size == world_size and ranks.environ == _environ()
-                and all(p.is_alive() for p in ranks.procs)):
+        ranks = self.kept.pop(world_size, None)
+        if ranks is not None and ranks.environ == _environ() and all(p.is_alive() for p in ranks.procs):
             return ranks
         if ranks is not None:
-            ranks.end(answered=range(ranks.world_size))
+            ranks.end(answered=range(world_size))
         return _Ranks(world_size)
 
     def give_back(self, ranks: _Ranks) -> None:
-        self.kept = ranks
+        self.kept[ranks.world_size] = ranks
 
     def end(self) -> None:
-        if self.kept is not None:
-            self.kept.end(answered=range(self.kept.world_size))
-            self.kept = None
+        while self.kept:
+            ranks = self.kept.popitem()[1]
+            ranks.end(answered=range(ranks.world_size))
 
 
 _RANKS = _KeptRanks()
@@ -197,8 +198,16 @@ def _rank_main(rank, world_size, port, calls, results) -> None:
 
 def _forget_compiled() -> None:
     """Dynamo forgets its graphs, and the ledger their collectives (what comm_report and
-    secondary_copy_bytes read)."""
+    secondary_copy_bytes read).
+
+    Dynamo keeps each compiled function as a global of the module whose frame it compiled (for a
+    sharded model, zpp_compile.forward_scope) past its reset: left there, every call's graphs and
+    fake tensors would stay alive in a kept rank, and each later compile slows as the heap grows."""
     torch.compiler.reset()
+    for module in list(sys.modules.values()):
+        names = [name for name in getattr(module, "__dict__", {}) if name.startswith("__compiled_fn")]
+        for name in names:
+            delattr(module, name)
     zpp.reset_comm_report()
 
 

@@ -22,20 +22,15 @@ def runs(world_size: int) -> dict[str, tuple]:
     """The runs of the tests at `world_size`, by name: (rank function, its arguments)."""
     if world_size == 2:
         return {
-            **{f"full local copy, ranks_per_node={n}": (train_sharded, "aot", {**FULL_LOCAL_COPY, "ranks_per_node": n})
+            **{f"full local copy, ranks_per_node={n}": (trained_with_gathers, {**FULL_LOCAL_COPY, "ranks_per_node": n})
                for n in (1, 2)},
-            "full local copy gathers": (gathers_by_graph, FULL_LOCAL_COPY),
             "saved tensors": (saved_tensor_shapes, {"hpz_partition_size": 2}),
             "eval and accumulation": (eval_and_accumulation,),
             "copies against the INT8 copy": (copies_against_int8_copy, (
                 FULL_LOCAL_COPY, {**FULL_LOCAL_COPY, "hpz_quantized_copy": False}, {"reshard_after_forward": False})),
         }
     return {
-        "two nodes": (train_sharded, "aot", TWO_NODES),
-        "two node gathers": (gathers_by_graph, {**TWO_NODES, **SMALL_BLOCKS}),
-        "two node gathers with qwz": (gathers_by_graph, {**TWO_NODES, **SMALL_BLOCKS, "quantized_weights": True}),
-        "two node gathers with qwz, dequantized copy": (
-            gathers_by_graph, {**TWO_NODES, **SMALL_BLOCKS, "quantized_weights": True, "hpz_quantized_copy": False}),
+        "two nodes": (trained_with_gathers, TWO_NODES),
         "with qwz": (qwz_runs, 2, {"hpz_partition_size": 2}, ("aot",)),
         "two node copies against the INT8 copy": (copies_against_int8_copy, (
             TWO_NODES, {**TWO_NODES, "hpz_quantized_copy": False})),
@@ -68,32 +63,32 @@ def test_hpz_two_nodes_matches_unsharded_reference(results):
 @pytest.mark.parametrize("ranks_per_node", [1, 2])
 def test_hpz_full_local_copy_matches_unsharded_reference(ranks_per_node, results):
     # train_sharded compares with the reference on each rank; each holds only its chunk.
-    shapes = [returned[f"full local copy, ranks_per_node={ranks_per_node}"] for returned in results(2)]
+    shapes = [returned[f"full local copy, ranks_per_node={ranks_per_node}"][0] for returned in results(2)]
     assert shapes[0]["embed.weight"] == (19, 24) and shapes[1]["embed.weight"] == (18, 24)
 
 
-def gathers_by_graph(rank: int, world_size: int, options: dict) -> dict:
-    """Per graph kind: (group size, dtype, intra bytes, inter bytes) of every all-gather, and
-    the secondary copy bytes."""
-    torch.manual_seed(0)
-    model = zpp.shard(TinyTransformer().to(device()), zpp.Config(**options))
-    compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
-    start = len(zpp.REGISTRY.ledger)
-    tokens, targets = batches(1, world_size)[0]
-    compiled(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device())).backward()
-    graphs = zpp.REGISTRY.ledger[start:]
+def weight_gathers(graphs: list, secondary_bytes: int) -> dict:
+    """Per graph kind of `graphs` (the ledger's): (group size, dtype, intra bytes, inter bytes) of
+    every weight all-gather; the secondary copy bytes and the model's float32 bytes."""
     out = {g.kind: [(c.group.size, str(c.dtype), c.intra_bytes, c.inter_bytes)
-                    for c in g.collectives if c.op == "all_gather"] for g in graphs}
-    out["secondary_bytes"] = zpp.secondary_copy_bytes()
-    out["param_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+                    for c in g.collectives if c.op == "all_gather" and not c.of_gradient] for g in graphs}
+    out["secondary_bytes"] = secondary_bytes
+    out["param_bytes"] = sum(p.numel() * 4 for p in TinyTransformer().parameters())
     return out
+
+
+def trained_with_gathers(rank: int, world_size: int, options: dict) -> tuple[dict, dict]:
+    """train_sharded (debug mode, against the reference), then the weight gathers of its graphs."""
+    shapes = train_sharded(rank, world_size, "aot", options)
+    return shapes, weight_gathers(zpp.REGISTRY.ledger, zpp.secondary_copy_bytes())
 
 
 @needs_4_ranks
 @pytest.mark.parametrize("copy", ["plain", "int8", "dequantized"])
 def test_backward_weight_gathers_never_leave_the_node(copy, results):
-    result = results(4)[0][{"plain": "two node gathers", "int8": "two node gathers with qwz",
-                            "dequantized": "two node gathers with qwz, dequantized copy"}[copy]]
+    result = {"plain": results(4)[0]["two nodes"][1],
+              "int8": results(4)[0]["two node copies against the INT8 copy"][2][0],
+              "dequantized": results(4)[0]["two node copies against the INT8 copy"][2][1]}[copy]
     assert result["forward"] and all(size == 4 for size, *_ in result["forward"])  # world gathers
     assert result["backward"], "backward gathers nothing: the copy would be a full weight"
     assert all(size == 2 and inter == 0 and intra > 0 for size, _, intra, inter in result["backward"])
@@ -109,8 +104,9 @@ def test_backward_weight_gathers_never_leave_the_node(copy, results):
 
 
 def test_full_local_copy_gathers_nothing_in_backward(results):
-    result = results(2)[0]["full local copy gathers"]
-    assert result["forward"] and not result.get("backward")
+    for ranks_per_node in (1, 2):
+        result = results(2)[0][f"full local copy, ranks_per_node={ranks_per_node}"][1]
+        assert result["forward"] and not result.get("backward"), ranks_per_node
 
 
 def test_hpz_saves_no_gathered_weight(results):
@@ -158,14 +154,15 @@ def test_hpz_eval_and_gradient_accumulation(results):
 
 
 def copies_against_int8_copy(rank: int, world_size: int, configs: tuple[dict, ...]
-                             ) -> tuple[list[list[str]], list[bool]]:
+                             ) -> tuple[list[list[str]], list[bool], list[dict]]:
     """qwZ + qgZ trained with each of `configs`, the first hpZ's INT8 copy (dequantized again in
     backward), the others the dequantized weights as the copy (`hpz_quantized_copy=False`) or kept
     for backward without hpZ (`reshard_after_forward=False`): per run after the first, the
-    parameters that end up different from the first's (backward sees the same weights every way),
-    and whether each run's forward saved INT8 codes for backward."""
-    finals, saved_codes = [], []
+    parameters that end up different from the first's (backward sees the same weights every way);
+    whether each run's forward saved INT8 codes for backward; each run's `weight_gathers`."""
+    finals, saved_codes, gathers = [], [], []
     for options in configs:
+        zpp.reset_comm_report()
         torch.manual_seed(0)
         config = zpp.Config(quantized_weights=True, quantized_gradients=True, **SMALL_BLOCKS,
                             **{"ranks_per_node": 1, **options})
@@ -176,19 +173,20 @@ def copies_against_int8_copy(rank: int, world_size: int, configs: tuple[dict, ..
             train(model, batches(STEPS, world_size, PER_RANK), compiled, slice(rank * PER_RANK, (rank + 1) * PER_RANK))
         finals.append(zpp.full_state_dict(model))
         saved_codes.append(torch.uint8 in dtypes)
+        gathers.append(weight_gathers(zpp.REGISTRY.ledger, zpp.secondary_copy_bytes()))
     differing = [[key for key, value in final.items() if not torch.equal(value, finals[0][key])]
                  for final in finals[1:]]
-    return differing, saved_codes
+    return differing, saved_codes, gathers
 
 
 def test_dequantized_copies_train_exactly_as_the_int8_copy(results):
     # A full copy on each rank, against the dequantized copy and the kept weights: nothing differs,
     # and only the INT8 copy saves codes.
     expected = ([[], []], [True, False, False])
-    assert [returned["copies against the INT8 copy"] for returned in results(2)] == [expected] * 2
+    assert [returned["copies against the INT8 copy"][:2] for returned in results(2)] == [expected] * 2
 
 
 @needs_4_ranks
 def test_dequantized_copy_gathered_in_the_node_trains_exactly_as_the_int8_copy(results):
     expected = ([[]], [True, False])
-    assert [returned["two node copies against the INT8 copy"] for returned in results(4)] == [expected] * 4
+    assert [returned["two node copies against the INT8 copy"][:2] for returned in results(4)] == [expected] * 4
