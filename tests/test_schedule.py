@@ -547,17 +547,29 @@ def overlapped_by_matmuls(events: list[tuple[str, str]], op: str) -> bool:
 
 
 def test_inductor_keeps_the_schedule():
-    options = {"bucket_size": 30_000}
-    scheduled, unscheduled = run_ranks(
-        generated_issue_order, 2, [options, {**options, "disable_passes": ["schedule_overlap"]}]
-    )[0]
+    forward, backward = run_ranks(generated_issue_order, 2, [{}])[0][0]
     gather, reduce = "all_gather_into_tensor", "reduce_scatter_tensor"
-    forward, backward = scheduled
     assert issued_ahead(forward, gather) and issued_ahead(backward, gather)
     assert overlapped_by_matmuls(backward, reduce)
-    # The check can fail: unscheduled, each collective is waited for before the next is issued.
-    forward, backward = unscheduled
-    assert not issued_ahead(forward, gather) and not overlapped_by_matmuls(backward, reduce)
+
+
+def test_the_issue_order_checks_fail_without_overlap():
+    # What the code of a step without the schedule looks like: each collective waited for before
+    # the next is issued, a matrix product after each wait.
+    serial = []
+    for i in range(3):
+        serial += [("all_gather_into_tensor", f"g{i}"), ("wait_tensor", f"g{i}"), ("matmul", ""),
+                   ("reduce_scatter_tensor", f"r{i}"), ("wait_tensor", f"r{i}")]
+    assert not issued_ahead(serial, "all_gather_into_tensor")
+    assert not overlapped_by_matmuls(serial, "reduce_scatter_tensor")
+    # And the same collectives, each issued one step ahead of its wait, pass both.
+    ahead = [("all_gather_into_tensor", "g0")]
+    for i in range(3):
+        ahead += [("all_gather_into_tensor", f"g{i + 1}"), ("reduce_scatter_tensor", f"r{i}"), ("wait_tensor", f"g{i}"),
+                  ("matmul", "")] + ([("wait_tensor", f"r{i - 1}")] if i else [])
+    ahead += [("wait_tensor", "g3"), ("matmul", ""), ("wait_tensor", "r2")]
+    assert issued_ahead(ahead, "all_gather_into_tensor")
+    assert overlapped_by_matmuls(ahead, "reduce_scatter_tensor")
 
 
 # ------------------------------------------------------------------ values shared by every layer

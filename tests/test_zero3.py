@@ -116,19 +116,23 @@ def test_shard_without_process_group_is_a_clear_error():
 
 
 def bf16_runs(rank: int, world_size: int) -> float:
-    """Largest relative difference between eager and Inductor training in bf16 compute."""
+    """Largest relative difference between eager and compiled training in bf16 compute: Inductor's
+    on a GPU, the debug mode's on CPU (Inductor's C++ kernels are not what bf16 users run, and
+    cost this suite a minute to build)."""
     data, mine = batches(STEPS, world_size, PER_RANK), slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     torch.manual_seed(0)
     initial = TinyTransformer().state_dict()
     finals = {}
-    for mode in ("eager", "inductor"):
+    for compiled in (False, True):
         torch.manual_seed(0)
         model = zpp.shard(TinyTransformer().to(device()), zpp.Config(param_dtype="bf16"))
-        step_fn = torch.compile(model, backend="zeropp") if mode == "inductor" else None
+        step_fn = None
+        if compiled:
+            step_fn = torch.compile(model, backend="zeropp", options={"inductor": device().type == "cuda"})
         history = train(model, data, step_fn, mine)
         assert next(model.parameters()).dtype == torch.float32  # shards stay fp32 masters
-        finals[mode] = zpp.full_state_dict(model), history
-    (eager, eager_history), (compiled, compiled_history) = finals["eager"], finals["inductor"]
+        finals[compiled] = zpp.full_state_dict(model), history
+    (eager, eager_history), (compiled, compiled_history) = finals[False], finals[True]
     torch.testing.assert_close(compiled_history, eager_history, rtol=2e-2, atol=0)
     worst = 0.0
     for key, value in eager.items():
@@ -141,8 +145,9 @@ def bf16_runs(rank: int, world_size: int) -> float:
 def test_bf16_compute_compiled_matches_eager():
     worst = run_ranks(bf16_runs, 2)[0]
     print("bf16 eager vs compiled, largest relative update difference:", worst)
-    # bf16 rounding differs between eager and Inductor's fused kernels: measured 9e-3.
-    assert worst < 5e-2, worst
+    # bf16 rounding differs between eager and Inductor's fused kernels: measured 9e-3. The debug
+    # mode runs eager's ops one by one: measured 0.
+    assert worst < (5e-2 if device().type == "cuda" else 1e-4), worst
 
 
 def generated_code(rank: int, world_size: int, options: dict) -> list[str]:
