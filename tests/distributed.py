@@ -202,12 +202,13 @@ def _forget_compiled() -> None:
 
     Dynamo keeps each compiled function as a global of the module whose frame it compiled (for a
     sharded model, zpp_compile.forward_scope) past its reset: left there, every call's graphs and
-    fake tensors would stay alive in a kept rank, and each later compile slows as the heap grows."""
+    fake tensors would stay alive in a kept rank, and each later compile slows as the heap grows.
+    Each is set to None, not deleted: Dynamo deletes the name itself once its code is collected."""
     torch.compiler.reset()
     for module in list(sys.modules.values()):
         names = [name for name in getattr(module, "__dict__", {}) if name.startswith("__compiled_fn")]
         for name in names:
-            delattr(module, name)
+            setattr(module, name, None)
     zpp.reset_comm_report()
 
 

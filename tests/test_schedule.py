@@ -547,7 +547,7 @@ def overlapped_by_matmuls(events: list[tuple[str, str]], op: str) -> bool:
 
 
 def test_inductor_keeps_the_schedule():
-    forward, backward = run_ranks(generated_issue_order, 2, [{}])[0][0]
+    forward, backward = run_ranks(generated_issue_order, 2, [{"bucket_size": 30_000}])[0][0]
     gather, reduce = "all_gather_into_tensor", "reduce_scatter_tensor"
     assert issued_ahead(forward, gather) and issued_ahead(backward, gather)
     assert overlapped_by_matmuls(backward, reduce)
