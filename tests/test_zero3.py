@@ -118,20 +118,20 @@ def test_shard_without_process_group_is_a_clear_error():
 def bf16_runs(rank: int, world_size: int) -> float:
     """Largest relative difference between eager and compiled training in bf16 compute: Inductor's
     on a GPU, the debug mode's on CPU (Inductor's C++ kernels are not what bf16 users run, and
-    cost this suite a minute to build)."""
+    each new one costs the suite a C++ compiler run)."""
     data, mine = batches(STEPS, world_size, PER_RANK), slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     torch.manual_seed(0)
     initial = TinyTransformer().state_dict()
     finals = {}
-    for compiled in (False, True):
+    for is_compiled in (False, True):
         torch.manual_seed(0)
         model = zpp.shard(TinyTransformer().to(device()), zpp.Config(param_dtype="bf16"))
         step_fn = None
-        if compiled:
+        if is_compiled:
             step_fn = torch.compile(model, backend="zeropp", options={"inductor": device().type == "cuda"})
         history = train(model, data, step_fn, mine)
         assert next(model.parameters()).dtype == torch.float32  # shards stay fp32 masters
-        finals[compiled] = zpp.full_state_dict(model), history
+        finals[is_compiled] = zpp.full_state_dict(model), history
     (eager, eager_history), (compiled, compiled_history) = finals[False], finals[True]
     torch.testing.assert_close(compiled_history, eager_history, rtol=2e-2, atol=0)
     worst = 0.0
