@@ -86,9 +86,9 @@ def trained_with_gathers(rank: int, world_size: int, options: dict) -> tuple[dic
 @needs_4_ranks
 @pytest.mark.parametrize("copy", ["plain", "int8", "dequantized"])
 def test_backward_weight_gathers_never_leave_the_node(copy, results):
-    result = {"plain": results(4)[0]["two nodes"][1],
-              "int8": results(4)[0]["two node copies against the INT8 copy"][2][0],
-              "dequantized": results(4)[0]["two node copies against the INT8 copy"][2][1]}[copy]
+    two_nodes = results(4)[0]
+    int8, dequantized = two_nodes["two node copies against the INT8 copy"][2]
+    result = {"plain": two_nodes["two nodes"][1], "int8": int8, "dequantized": dequantized}[copy]
     assert result["forward"] and all(size == 4 for size, *_ in result["forward"])  # world gathers
     assert result["backward"], "backward gathers nothing: the copy would be a full weight"
     assert all(size == 2 and inter == 0 and intra > 0 for size, _, intra, inter in result["backward"])
