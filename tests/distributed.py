@@ -3,12 +3,15 @@
 CPU runs use gloo. With ZPP_TEST_BACKEND=nccl (the GPU machine) each rank uses NCCL and GPU
 `rank`, so the same tests run on both.
 
-Starting a rank costs seconds (importing torch and Inductor), more than many tests' work, so the
-ranks of one call stay up for the next call of the same world size: each call then starts from
-what a new process would see (Dynamo's graphs and the communication ledger forgotten, the default
-random generators reseeded). A call made under other environment variables starts new ranks (they
-read them at start); a call that fails, times out or waits only for some ranks, or asks for `fresh`
-processes (a test of what a new process does), ends its ranks.
+Starting a rank costs seconds (importing torch, Inductor and the model libraries), more than many
+tests' work, so two things spare it. Ranks are forked from one server process that imported all of
+that once (multiprocessing's forkserver), not started as new interpreters; and the ranks of one call
+stay up for the next call of the same world size: each call then starts from what a new process
+would see (Dynamo's graphs and the communication ledger forgotten, the default random generators
+reseeded). A call made under other environment variables than the server's starts new
+interpreters (what is read at start, such as PYTHONHASHSEED, must take effect); a call that fails,
+times out or waits only for some ranks, or asks for `fresh` processes (a test of what a new process
+does), ends its ranks.
 """
 
 from __future__ import annotations
@@ -67,9 +70,9 @@ class _Ranks:
     """`world_size` spawned processes in one process group, each running the calls sent to it."""
 
     def __init__(self, world_size: int) -> None:
-        context = mp.get_context("spawn")
         self.world_size = world_size
         self.environ = _environ()  # what the ranks read at start
+        context = mp.get_context("forkserver" if self.environ == _SERVER_ENVIRON else "spawn")
         self.results = context.Queue()
         self.calls = [context.Queue() for _ in range(world_size)]
         self.call_ids = itertools.count()
@@ -221,3 +224,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What the forkserver imports once for every rank it forks: the harness (torch, zpp_compile,
+# Inductor) and the model libraries that test modules import. It starts at the first rank, with the
+# environment this module saw when imported (after conftest's settings).
+mp.set_forkserver_preload(["distributed", "transformers", "transformers.models.llama.modeling_llama", "peft"])
+_SERVER_ENVIRON = _environ()
