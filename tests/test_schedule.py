@@ -39,7 +39,6 @@ def runs() -> dict[str, tuple]:
         "bucketed training": (train_sharded, "aot", {"bucket_size": 4096}),
         "quantized buckets": (quantized_bucket_runs,),
         "blocks in a module dict": (moduledict_step_collectives,),
-        "bucket copies": (bucket_copies,),
         "live gathers": (scheduled_graphs, list(SCHEDULED_CONFIGS.values())),
     }
 
@@ -70,29 +69,51 @@ def final_state(rank: int, world_size: int, options: dict, layers: int = 2,
     return {k: v.cpu() for k, v in zpp.full_state_dict(model).items()}, history, collectives
 
 
-def compare_runs(rank: int, world_size: int, options: dict, other: dict) -> tuple[int, int]:
+def compare_runs(rank: int, world_size: int, options: dict, other: dict,
+                 other_backend: Callable | str = "zeropp") -> tuple[int, int]:
+    """Trains under `options`, then under them updated by `other` (compiled by `other_backend`):
+    the histories and parameters are equal to the bit; how many collectives each run issued."""
     first, first_history, first_collectives = final_state(rank, world_size, options)
     zpp.REGISTRY.ledger.clear()
     torch._dynamo.reset()
-    second, second_history, second_collectives = final_state(rank, world_size, {**options, **other})
+    second, second_history, second_collectives = final_state(rank, world_size, {**options, **other},
+                                                              backend=other_backend)
     assert first_history == second_history
     for key, value in first.items():
         assert torch.equal(value, second[key]), key
     return len(first_collectives), len(second_collectives)
 
 
-def quantized_bucket_runs(rank: int, world_size: int) -> tuple[int, int, list]:
+def quantized_bucket_runs(rank: int, world_size: int) -> tuple[int, int, list, list[dict[str, int]]]:
     """qwZ + hpZ + qgZ trained unbucketed and in 1 MiB buckets (bit-identical, see compare_runs):
-    the collectives' counts and the (op, dtype, of gradient) kinds of the bucketed run's."""
-    unbucketed, bucketed = compare_runs(rank, world_size, {**ALL_THREE, "bucket_size": 0}, {"bucket_size": 1 << 20})
+    the collectives' counts, the (op, dtype, of gradient) kinds of the bucketed run's, and per
+    lowered graph of the bucketed run, how often each weight (de)quantization and bucket copy is
+    called once every pass has run."""
+    captured: list[fx.Graph] = []
+
+    def capture(graph: fx.Graph, ctx) -> None:
+        schedule_overlap(graph, ctx)
+        captured.append(graph)
+
+    passes = [dataclasses.replace(p, run=capture) if p.name == "schedule_overlap" else p for p in PASSES]
+    unbucketed, bucketed = compare_runs(rank, world_size, {**ALL_THREE, "bucket_size": 0}, {"bucket_size": 1 << 20},
+                                        functools.partial(zeropp_backend, passes=passes))
     kinds = sorted({(c.op, str(c.dtype), c.of_gradient) for g in zpp.REGISTRY.ledger for c in g.collectives})
-    return unbucketed, bucketed, kinds
+    ops = {"quantize_bucket": torch.ops.zpp.quantize_bucket.default,
+           "quantize_weight": torch.ops.zpp.quantize_weight.default,
+           "dequantize_bucket": torch.ops.zpp.dequantize_bucket.default,
+           "dequantize_weight": torch.ops.zpp.dequantize_weight.default,
+           "join_bucket": torch.ops.zpp.join_bucket.default,
+           "split_bucket": torch.ops.zpp.split_bucket.default}
+    calls = [{name: len(graph.find_nodes(op="call_function", target=op)) for name, op in ops.items()}
+             for graph in captured]
+    return unbucketed, bucketed, kinds, calls
 
 
 def test_buckets_change_no_bit_of_the_quantized_result(results):
     # Buckets pad each member to whole quantization blocks, so every block and its scale are
     # those of the unbucketed graph: qwZ + hpZ + qgZ give bit-identical parameters.
-    unbucketed, bucketed, _ = results[0]["quantized buckets"]
+    unbucketed, bucketed, _, _ = results[0]["quantized buckets"]
     assert bucketed * 4 < unbucketed, (bucketed, unbucketed)
 
 
@@ -107,7 +128,7 @@ def test_schedule_changes_no_bit_of_the_result(results):
 
 
 def test_buckets_of_small_members_stay_full_precision(results):
-    _, _, kinds = results[0]["quantized buckets"]
+    _, _, kinds, _ = results[0]["quantized buckets"]
     # Quantized buckets (uint8 weight gathers and gradient exchanges: between two nodes, an
     # all-gather of the chunk for the other node), and full-precision ones for the norms, biases
     # and the 0-d gate, which are smaller than a block per rank.
@@ -115,35 +136,12 @@ def test_buckets_of_small_members_stay_full_precision(results):
     assert ("all_gather", "torch.uint8", True) in kinds and ("reduce_scatter", "torch.float32", True) in kinds
 
 
-def bucket_copies(rank: int, world_size: int) -> list[dict[str, int]]:
-    """qwZ + hpZ + qgZ in 1 MiB buckets: per lowered graph, how often each weight (de)quantization
-    and bucket copy is called once every pass has run."""
-    captured: list[fx.Graph] = []
-
-    def capture(graph: fx.Graph, ctx) -> None:
-        schedule_overlap(graph, ctx)
-        captured.append(graph)
-
-    passes = [dataclasses.replace(p, run=capture) if p.name == "schedule_overlap" else p for p in PASSES]
-    torch._dynamo.reset()
-    final_state(rank, world_size, {**ALL_THREE, "bucket_size": 1 << 20},
-                backend=functools.partial(zeropp_backend, passes=passes))
-    ops = {"quantize_bucket": torch.ops.zpp.quantize_bucket.default,
-           "quantize_weight": torch.ops.zpp.quantize_weight.default,
-           "dequantize_bucket": torch.ops.zpp.dequantize_bucket.default,
-           "dequantize_weight": torch.ops.zpp.dequantize_weight.default,
-           "join_bucket": torch.ops.zpp.join_bucket.default,
-           "split_bucket": torch.ops.zpp.split_bucket.default}
-    return [{name: len(graph.find_nodes(op="call_function", target=op)) for name, op in ops.items()}
-            for graph in captured]
-
-
 def test_quantized_buckets_are_quantized_and_dequantized_in_place(results):
     # Forward quantizes the one quantized bucket (the two blocks' matrices) from its shards in
     # place and dequantizes it into its weights; backward dequantizes hpZ's INT8 copy again, in
     # place too. The plain (de)quantizations are the embedding's, gathered on its own; the
     # full-precision buckets' joins and splits are lowered to copies.
-    forward, backward = results[0]["bucket copies"]
+    forward, backward = results[0]["quantized buckets"][3]
     assert forward == {"quantize_bucket": 1, "quantize_weight": 1, "dequantize_bucket": 1, "dequantize_weight": 1,
                        "join_bucket": 0, "split_bucket": 0}
     assert backward == {"quantize_bucket": 0, "quantize_weight": 0, "dequantize_bucket": 1, "dequantize_weight": 1,
