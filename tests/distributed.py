@@ -4,11 +4,12 @@ CPU runs use gloo. With ZPP_TEST_BACKEND=nccl (the GPU machine) each rank uses N
 `rank`, so the same tests run on both.
 
 Starting a rank costs seconds (importing torch, Inductor and the model libraries), more than many
-tests' work, so two things spare it. Ranks are forked from one server process that imported all of
-that once (multiprocessing's forkserver), not started as new interpreters; and the ranks of one call
-stay up for the next call of the same world size: each call then starts from what a new process
-would see (Dynamo's graphs and the communication ledger forgotten, the default random generators
-reseeded). A call made under other environment variables than the server's starts new
+tests' work, so two things spare it. CPU ranks are forked from one server process that imported all
+of that once (multiprocessing's forkserver), not started as new interpreters; GPU ranks are (a CUDA
+runtime that an import in the server touched would not work after the fork). And the ranks of one
+call stay up for the next call of the same world size: each call then starts from what a new
+process would see (Dynamo's graphs and the communication ledger forgotten, the default random
+generators reseeded). A call made under other environment variables than the server's starts new
 interpreters (what is read at start, such as PYTHONHASHSEED, must take effect); a call that fails,
 times out or waits only for some ranks, or asks for `fresh` processes (a test of what a new process
 does), ends its ranks.
@@ -67,12 +68,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
 
 class _Ranks:
-    """`world_size` spawned processes in one process group, each running the calls sent to it."""
+    """`world_size` processes in one process group, each running the calls sent to it."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.environ = _environ()  # what the ranks read at start
-        context = mp.get_context("forkserver" if self.environ == _SERVER_ENVIRON else "spawn")
+        forked = BACKEND == "gloo" and self.environ == _SERVER_ENVIRON
+        context = mp.get_context("forkserver" if forked else "spawn")
         self.results = context.Queue()
         self.calls = [context.Queue() for _ in range(world_size)]
         self.call_ids = itertools.count()

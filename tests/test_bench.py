@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import unittest.mock
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,13 @@ WORLD, DIM, LAYERS, HEADS, SEQ = 2, 64, 2, 2, 32
 BLOCK = 256  # zeropp's default weight_block_size
 
 
+SHORT_RUN = ["--compile-mode", "debug", "--seq", str(SEQ), "--batch", "2", "--steps", "2", "--warmup", "1"]
+
+
 def run_bench(out: Path, *args: str) -> dict:
+    """examples/bench.py launched by torchrun, as a user runs it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           str(EXAMPLES / "bench.py"),
-           "--compile-mode", "debug", "--seq", str(SEQ), "--batch", "2", "--steps", "2", "--warmup", "1",
-           "--json", str(out), "--png", str(out.with_suffix(".png")), *args]
+           str(EXAMPLES / "bench.py"), *SHORT_RUN, "--json", str(out), "--png", str(out.with_suffix(".png")), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -134,10 +137,21 @@ def test_zeropp_ledger_matches_the_shapes(bench_json):
         assert results["all3"]["inter_ratio"] < results[name]["inter_ratio"] < results["zero3"]["inter_ratio"]
 
 
+def bench_main(rank: int, world_size: int, args: list[str]) -> None:
+    """bench.main(args) on a test rank, whose process group stays up for the next test's call."""
+    import bench
+
+    with unittest.mock.patch.object(bench.dist, "destroy_process_group", lambda: None):
+        bench.main(args)
+
+
 @pytest.fixture(scope="module")
 def llama_json(tmp_path_factory) -> dict:
-    return run_bench(tmp_path_factory.mktemp("bench") / "llama.json", "--model", "llama-tiny",
-                     "--variants", "fsdp2,zero3", "--activation-checkpointing", "selective", "--peak-tflops", "1")
+    """bench.main on the test ranks (the launch through torchrun is `bench_json`'s)."""
+    path = tmp_path_factory.mktemp("bench") / "llama.json"
+    run_ranks(bench_main, WORLD, [*SHORT_RUN, "--json", str(path), "--model", "llama-tiny", "--variants", "fsdp2,zero3",
+                                  "--activation-checkpointing", "selective", "--peak-tflops", "1"])
+    return json.loads(path.read_text())
 
 
 def test_llama_runs_with_activation_checkpointing(llama_json):
