@@ -204,9 +204,9 @@ def _inline_gathers(gm: fx.GraphModule) -> None:
 
 
 def _inline_call(gm: fx.GraphModule, call: fx.Node) -> None:
-    """Replaces a call of a layer's gathers (`sharding._gather_layer`) in the step's graph by a copy
-    of that body's nodes reading the call's operands; the nodes that index the call's result read
-    the copied outputs."""
+    """Puts a copy of the nodes of `sharding._gather_layer`'s traced body into the step's graph in
+    place of the `invoke_subgraph` call that ran it: the copies read that call's arguments, and
+    each `getitem` of its result reads the copied output instead."""
     body = getattr(gm, call.args[0].target)
     copies = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[2:]))
     with gm.graph.inserting_before(call):
