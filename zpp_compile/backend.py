@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .compile_cache import PassCache, to_local_as_method
 from .config import Config, ConfigError
+from .local_shards import local_shard_inputs, reading_local_shards
 from .pass_manager import PassManager
 from .passes import PASSES, GraphPass
 from .runtime.agreement import check_same_gathers
@@ -61,9 +62,16 @@ def zeropp_backend(
     config = config.with_layer_size(state.layer_nbytes)
     manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers, _dynamo_frame(), passes)
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
+    to_local_as_method(gm)
+    example_inputs, shard_positions = local_shard_inputs(gm, example_inputs)
+    return reading_local_shards(_compile(gm, example_inputs, config, state, manager), shard_positions)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Config, state: ShardingState,
+             manager: PassManager) -> Callable[..., Any]:
+    """AOTAutograd with the passes, then Inductor (or, in debug mode, the graphs as FX code)."""
     if not config.inductor:
         return _aot_eager(gm, example_inputs, manager)
-    to_local_as_method(gm)
     cache = PassCache.open(manager, gm, example_inputs, dict(config.inductor_options))
     patches = {
         "joint_custom_post_pass": _StageHook(manager, "joint", cache),

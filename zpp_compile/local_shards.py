@@ -1,0 +1,90 @@
+"""The compiled step takes this rank's shards as plain tensors, not the DTensor parameters.
+
+Forward reads a sharded parameter only to gather it: `to_local()`, then `zpp::all_gather_param`.
+Handed the DTensor parameters, AOTAutograd traces through DTensor's dispatch and collects the
+graph's metadata twice (with the subclass and without), which costs about as much as the rest
+of tracing the step and grows with the number of parameters. So the backend takes each
+parameter the graph reads only through `to_local()` out of the graph's inputs and passes its
+local shard instead (`local_shard_inputs`); the compiled step's caller makes the shards with one
+autograd function for all of them (`LocalShards`), whose backward hands each shard's gradient to
+its parameter as a DTensor of the parameter's sharding, as `to_local()`'s backward does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+
+def local_shard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], tuple[int, ...]]:
+    """Rewrites `gm` to take, for each DTensor input read only through `to_local()`, that local
+    tensor; the `to_local()` calls go. Returns the new example inputs and the positions changed."""
+    inputs = list(example_inputs)
+    positions = []
+    for position, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        reads = list(node.users)
+        if not isinstance(inputs[position], DTensor) or not reads or not all(map(_is_to_local, reads)):
+            continue
+        # Dynamo's fake of the local tensor: requires_grad as `LocalShards` gives it at run time.
+        local = reads[0].meta["example_value"]
+        for read in reads:
+            read.replace_all_uses_with(node)
+            gm.graph.erase_node(read)
+        node.meta["example_value"] = inputs[position] = local
+        positions.append(position)
+    if positions:
+        gm.recompile()
+    return inputs, tuple(positions)
+
+
+def reading_local_shards(compiled: Callable[..., Any], positions: tuple[int, ...]) -> Callable[..., Any]:
+    """`compiled` (rewritten by `local_shard_inputs`), called with the DTensor parameters."""
+    if not positions:
+        return compiled
+
+    def run(*args: Any) -> Any:
+        args = list(args)
+        for position, shard in zip(positions, LocalShards.apply(*(args[p] for p in positions))):
+            args[position] = shard
+        return compiled(*args)
+
+    return run
+
+
+class LocalShards(torch.autograd.Function):
+    """`[p.to_local() for p in params]` as one autograd node: each gradient goes back to its
+    parameter as a DTensor with the parameter's sharding.
+
+    Built with DTensor's own constructor on the parameter's spec (what `to_local()`'s backward
+    and AOTAutograd's unwrapping of a DTensor make too): `DTensor.from_local`, the public way,
+    checks and builds a new spec per call and costs about ten times as much, per parameter and
+    step."""
+
+    @staticmethod
+    def forward(ctx: Any, *params: DTensor) -> tuple[torch.Tensor, ...]:
+        ctx.specs = [p._spec for p in params]
+        ctx.strides = [p._local_tensor.stride() for p in params]
+        # A fresh tensor for each: autograd records its history on the object returned.
+        shards = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+        ctx.mark_non_differentiable(*(s for s, p in zip(shards, params) if not p.requires_grad))
+        ctx.set_materialize_grads(False)
+        return shards
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
+        return tuple(None if grad is None else DTensor(_laid_out(grad, stride), spec, requires_grad=False)
+                     for grad, spec, stride in zip(grads, ctx.specs, ctx.strides))
+
+
+def _laid_out(grad: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """`grad` with the shard's strides, which the parameter's spec describes."""
+    if grad.stride() == stride:
+        return grad
+    return torch.empty_strided(grad.shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+def _is_to_local(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "to_local" and len(node.args) == 1 and not node.kwargs
