@@ -1,4 +1,5 @@
-"""Test-wide setup: Triton kernels run in the interpreter when no GPU is present.
+"""Test-wide setup: Triton kernels run in the interpreter when no GPU is present; the environment
+the test ranks start with is settled before any starts.
 
 TRITON_INTERPRET is read when a kernel is defined, so it is set here, before any test module
 imports zpp_compile.
@@ -22,3 +23,10 @@ if sys.platform == "linux":
 # Each test rank compiles in its own process; a pool of compile workers per rank would only
 # compete for the same cores.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+# Inductor sets its cache folder's variable on first use when unset. Set here (to the same folder),
+# a compilation in the test process leaves the environment that decides how ranks start
+# (tests/distributed.py) as it was; changed, every later rank would start as a new interpreter.
+from torch._inductor.runtime.runtime_utils import cache_dir  # noqa: E402  (after TRITON_INTERPRET)
+
+cache_dir()

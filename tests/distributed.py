@@ -217,9 +217,14 @@ def _forget_compiled() -> None:
     zpp.reset_comm_report()
 
 
+# Set by pytest for every test, and by Inductor in any process that loads a compiled C++ module (a
+# per-process address, which each rank sets for itself): neither says how a rank must start.
+_NOT_STARTUP = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KMP_DUPLICATE_LIB_OK")
+
+
 def _environ() -> dict[str, str]:
-    """The environment variables a rank starts with, less the one pytest changes for every test."""
-    return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
+    """The environment variables a rank starts with, less those that change while tests run."""
+    return {name: value for name, value in os.environ.items() if name not in _NOT_STARTUP}
 
 
 def _free_port() -> int:

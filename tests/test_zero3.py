@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
+from zpp_compile import backend, local_shards
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES, GraphPass
 from distributed import device, for_each_config, run_ranks
@@ -192,3 +193,62 @@ def test_inductor_options_reach_inductor():
     assert len(default) == len(off) == 2  # forward and backward
     assert all("compiled_module_main" in code for code in default)
     assert not any("compiled_module_main" in code for code in off)
+
+
+def compiled_input_types(rank: int, world_size: int) -> list[list[str]]:
+    """The types of the inputs each compiled graph of a step is traced with: a step's, then a step
+    that also computes with a parameter as the DTensor it is (a penalty on its squares)."""
+    seen = []
+
+    def recording(gm, example_inputs, *args):
+        seen.append(sorted({type(x).__name__ for x in example_inputs if isinstance(x, torch.Tensor)}))
+        return compile_graph(gm, example_inputs, *args)
+
+    compile_graph, backend._compile = backend._compile, recording
+    try:
+        torch.manual_seed(0)
+        model = zpp.shard(TinyTransformer().to(device()))
+        tokens, targets = (t[:PER_RANK].to(device()) for t in batches(1, world_size)[0])
+        torch.compile(model, backend="zeropp", options={"inductor": False})(tokens, targets).backward()
+
+        def step_and_norm(tokens, targets):
+            embedding = dict(model.named_parameters())["embed.weight"]  # the parameter, not a module's read
+            return model(tokens, targets) + 1e-4 * embedding.square().sum().full_tensor()
+
+        torch.compile(step_and_norm, backend="zeropp", options={"inductor": False})(tokens, targets).backward()
+    finally:
+        backend._compile = compile_graph
+    return seen
+
+
+def test_compiled_graphs_take_local_shards():
+    # AOTAutograd traces a DTensor input through DTensor's dispatch and collects metadata twice;
+    # forward's reads (to_local, then the gather) need only the local shard.
+    step, with_norm = run_ranks(compiled_input_types, 2)[0]
+    assert "DTensor" not in step and "FakeTensor" in step, step
+    assert "DTensor" in with_norm, with_norm  # the penalty reads the DTensor itself
+
+
+def local_shard_gradients(rank: int, world_size: int) -> None:
+    """`LocalShards` against `DTensor.to_local()`: the same shards, the same gradients (a
+    non-contiguous one laid out as the shard), none for a frozen parameter."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh(device().type, (world_size,))
+    torch.manual_seed(0)
+    full, frozen_full, weights = torch.randn(6, 4), torch.randn(5, 3), torch.randn(4, 3)
+    results = []
+    for make_shards in (lambda *ps: [p.to_local() for p in ps], local_shards.LocalShards.apply):
+        param = nn.Parameter(distribute_tensor(full.to(device()), mesh, [Shard(0)]))
+        frozen = nn.Parameter(distribute_tensor(frozen_full.to(device()), mesh, [Shard(0)]), requires_grad=False)
+        shard, frozen_shard = make_shards(param, frozen)
+        assert not frozen_shard.requires_grad and torch.equal(frozen_shard, frozen.to_local())
+        (shard.t() * weights[:, : shard.shape[0]].to(device())).sum().backward()  # gradient: a transposed view
+        assert isinstance(param.grad, DTensor) and param.grad.placements == (Shard(0),) and frozen.grad is None
+        assert param.grad.to_local().stride() == param.to_local().stride()
+        results.append(param.grad.full_tensor())
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+def test_local_shards_hand_gradients_back_as_to_local_does():
+    run_ranks(local_shard_gradients, 2)

@@ -28,7 +28,8 @@ def local_shard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
         reads = list(node.users)
         if not isinstance(inputs[position], DTensor) or not reads or not all(map(_is_to_local, reads)):
             continue
-        # Dynamo's fake of the local tensor: requires_grad as `LocalShards` gives it at run time.
+        # Dynamo's fake of the local tensor, from the fake mode AOTAutograd traces in, with
+        # requires_grad as `LocalShards` gives it at run time.
         local = reads[0].meta["example_value"]
         for read in reads:
             read.replace_all_uses_with(node)
