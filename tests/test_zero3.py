@@ -211,11 +211,11 @@ def compiled_input_types(rank: int, world_size: int) -> list[list[str]]:
         tokens, targets = (t[:PER_RANK].to(device()) for t in batches(1, world_size)[0])
         torch.compile(model, backend="zeropp", options={"inductor": False})(tokens, targets).backward()
 
-        def step_and_norm(tokens, targets):
+        def step_and_penalty(tokens, targets):
             embedding = dict(model.named_parameters())["embed.weight"]  # the parameter, not a module's read
             return model(tokens, targets) + 1e-4 * embedding.square().sum().full_tensor()
 
-        torch.compile(step_and_norm, backend="zeropp", options={"inductor": False})(tokens, targets).backward()
+        torch.compile(step_and_penalty, backend="zeropp", options={"inductor": False})(tokens, targets).backward()
     finally:
         backend._compile = compile_graph
     return seen
@@ -224,9 +224,9 @@ def compiled_input_types(rank: int, world_size: int) -> list[list[str]]:
 def test_compiled_graphs_take_local_shards():
     # AOTAutograd traces a DTensor input through DTensor's dispatch and collects metadata twice;
     # forward's reads (to_local, then the gather) need only the local shard.
-    step, with_norm = run_ranks(compiled_input_types, 2)[0]
+    step, with_penalty = run_ranks(compiled_input_types, 2)[0]
     assert "DTensor" not in step and "FakeTensor" in step, step
-    assert "DTensor" in with_norm, with_norm  # the penalty reads the DTensor itself
+    assert "DTensor" in with_penalty, with_penalty  # the penalty reads the DTensor itself
 
 
 def local_shard_gradients(rank: int, world_size: int) -> None:
