@@ -219,7 +219,7 @@ def _forget_compiled() -> None:
 
 # Set by pytest for every test, and by Inductor in any process that loads a compiled C++ module (a
 # per-process address, which each rank sets for itself): neither says how a rank must start.
-_NOT_STARTUP = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KMP_DUPLICATE_LIB_OK")
+_NOT_STARTUP = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 
 
 def _environ() -> dict[str, str]:

@@ -84,9 +84,10 @@ def passes_key(manager: PassManager) -> str:
 def to_local_as_method(gm: fx.GraphModule) -> None:
     """Rewrites the Dynamo graph's `DTensor.to_local()` calls, where Dynamo recorded each as a call to
     a closure made while tracing (named "prim_to_local"), into the method call, so that AOTAutograd's
-    cache takes the graph: it refuses closures, and every restart would trace and partition the
-    whole step again. Only closures that pass no arguments are rewritten (then they are the method
-    call exactly); torch versions that record the method call leave nothing to rewrite."""
+    cache takes the graph (it refuses closures, and every restart would trace and partition the
+    whole step again) and `local_shards.local_shard_inputs` finds the reads it replaces. Only
+    closures that pass no arguments are rewritten (then they are the method call exactly); torch
+    versions that record the method call leave nothing to rewrite."""
     rewritten = False
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and _argumentless_to_local(node.target):

@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor
 
 
 def local_shard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], tuple[int, ...]]:
-    """Rewrites `gm` to take, for each DTensor input read only through `to_local()`, that local
-    tensor; the `to_local()` calls go. Returns the new example inputs and the positions changed."""
+    """Rewrites `gm` to take, for each DTensor input read only through `to_local()` (as the method
+    call: `compile_cache.to_local_as_method` first), that local tensor; the `to_local()` calls go.
+    Returns the new example inputs and the positions changed."""
     inputs = list(example_inputs)
     positions = []
     for position, node in enumerate(gm.graph.find_nodes(op="placeholder")):
