@@ -161,17 +161,29 @@ def check_reduce_args(recv: torch.Tensor, num_sources: int, num_pieces: int, sha
 
 def _quantize_blocks(x: torch.Tensor, bits: int):
     """x float32 [..., nb, B] (padding zero) -> (codes int32 [..., nb, B], scales [..., nb])."""
+    absmax = x.abs().amax(dim=-1)  # NaN or inf exactly where a block holds a non-finite value
+    if bool(torch.isfinite(absmax).all()):
+        return _quantize_finite_blocks(x, absmax, bits)
+    return _quantize_nonfinite_blocks(x, bits)
+
+
+def _quantize_finite_blocks(x: torch.Tensor, absmax: torch.Tensor, bits: int):
+    q = _qmax(bits)
+    qt = torch.full_like(absmax, float(q))
+    scale = absmax / qt                                   # IEEE division (tensor / tensor)
+    inv = torch.where(absmax > 0, qt / absmax, torch.zeros_like(absmax)).clamp_max(FLT_MAX)
+    t = x.double() * inv.double().unsqueeze(-1)          # exact: 24 + 24 significant bits
+    return torch.round(t).clamp_(-q, q).to(torch.int32), scale  # round half to even
+
+
+def _quantize_nonfinite_blocks(x: torch.Tensor, bits: int):
+    """Blocks holding inf or NaN get the marker scale and special codes; the others as ever
+    (this path costs several more passes over the data, so finite gradients skip it)."""
     q = _qmax(bits)
     finite = torch.isfinite(x)
     bad = ~finite.all(dim=-1)
     x0 = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    absmax = x0.abs().amax(dim=-1)
-    qt = torch.full_like(absmax, float(q))
-    scale = absmax / qt                                   # IEEE division (tensor / tensor)
-    inv = torch.where(absmax > 0, qt / absmax, torch.zeros_like(absmax))
-    inv = inv.clamp_max(FLT_MAX)
-    t = x0.double() * inv.double().unsqueeze(-1)         # exact: 24 + 24 significant bits
-    code = torch.round(t).clamp_(-q, q).to(torch.int32)  # round half to even
+    code, scale = _quantize_finite_blocks(x0, x0.abs().amax(dim=-1), bits)
     special = torch.where(
         torch.isnan(x), -(q + 1),
         torch.where(x == math.inf, q, torch.where(x == -math.inf, -q, 0))).to(torch.int32)
@@ -182,14 +194,22 @@ def _quantize_blocks(x: torch.Tensor, bits: int):
 
 def _dequantize_blocks(code: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
     """codes int32 [..., nb, B], scales float32 [..., nb] -> float32 [..., nb, B]."""
-    q = _qmax(bits)
     s = scale.unsqueeze(-1)
     v = code.to(torch.float32) * s
+    marked = torch.isinf(s) & (s > 0)
+    if not bool(marked.any()):
+        return v
     f = torch.zeros((), dtype=torch.float32, device=code.device)
-    special = torch.where(code == q, f + math.inf,
-                          torch.where(code == -q, f - math.inf,
-                                      torch.where(code == -(q + 1), f + math.nan, f)))
-    return torch.where(torch.isinf(s) & (s > 0), special, v)
+    return torch.where(marked, _marker_values(code, f, bits), v)
+
+
+def _marker_values(code: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """What the codes of an inf-marker block stand for: -(q+1) -> NaN, q -> +inf, -q -> -inf,
+    any other code -> 0 (in `zero`'s dtype)."""
+    q = _qmax(bits)
+    return torch.where(code == q, zero + math.inf,
+                       torch.where(code == -q, zero - math.inf,
+                                   torch.where(code == -(q + 1), zero + math.nan, zero)))
 
 
 def _pack(code: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -214,13 +234,13 @@ def unpack_pieces(buf: torch.Tensor, num_pieces: int, shard_size: int, bits: int
         raise ValueError(f"expected uint8[{num_pieces * pb}] ({num_pieces} pieces of {pb} bytes), "
                          f"got {buf.dtype}[{buf.numel()}]")
     b = buf.reshape(num_pieces, pb)
-    raw = b[:, :cb].to(torch.int32)
     if bits == 4:
+        raw = b[:, :cb].to(torch.int32)
         lo = ((raw & 15) ^ 8) - 8
         hi = ((raw >> 4) ^ 8) - 8
         code = torch.stack([lo, hi], dim=-1).reshape(num_pieces, nb, block_size)
     else:
-        code = ((raw ^ 128) - 128).reshape(num_pieces, nb, block_size)
+        code = b[:, :cb].view(torch.int8).to(torch.int32).reshape(num_pieces, nb, block_size)
     scale = b[:, cb:].contiguous().view(torch.float32).reshape(num_pieces, nb)
     return code, scale
 
@@ -247,26 +267,30 @@ def dequantize_pieces_ref(buf: torch.Tensor, num_pieces: int, shard_size: int, b
 def _exact_products(code: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
     """code * scale, exact, in float64 (<= 8 + 24 significant bits); inf-marker blocks give
     -(q+1) -> NaN, q -> +inf, -q -> -inf, other codes -> 0."""
-    q = _qmax(bits)
     s = scale.double().unsqueeze(-1)
     p = code.double() * s
+    marked = torch.isinf(s) & (s > 0)
+    if not bool(marked.any()):
+        return p
     f = torch.zeros((), dtype=torch.float64, device=code.device)
-    special = torch.where(code == q, f + math.inf,
-                          torch.where(code == -q, f - math.inf,
-                                      torch.where(code == -(q + 1), f + math.nan, f)))
-    return torch.where(torch.isinf(s) & (s > 0), special, p)
+    return torch.where(marked, _marker_values(code, f, bits), p)
 
 
 def _fma_f32(acc: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """float32(acc + p) with ONE rounding, for float32 ``acc`` and an exact float64 ``p``: the
     float64 sum rounded to odd (TwoSum error decides), then rounded to float32 -- correctly
-    rounded because 53 >= 24 + 2 (Boldo & Melquiond). Equals the GPU's FFMA(code, scale, acc)."""
+    rounded because 53 >= 24 + 2 (Boldo & Melquiond). Equals the GPU's FFMA(code, scale, acc).
+    Where every float64 sum is exact (the common case: the sources' scales of a block are
+    close), rounding it once is already the answer."""
     c = acc.double()
     t = p + c
     bp = t - p
     err = (p - (t - bp)) + (c - bp)                       # t + err == p + c exactly
+    inexact = err != 0                                    # also where t is not finite (err NaN)
+    if not bool(inexact.any()):
+        return t.to(torch.float32)
     bits = t.view(torch.int64)
-    fix = (err != 0) & torch.isfinite(t) & ((bits & 1) == 0)
+    fix = inexact & torch.isfinite(t) & ((bits & 1) == 0)
     step = torch.where((err > 0) == (t > 0), 1, -1)
     return torch.where(fix, (bits + step).view(torch.float64), t).to(torch.float32)
 

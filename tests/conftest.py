@@ -20,9 +20,12 @@ if sys.platform == "linux":
     if missing:
         raise ImportError(f"the tests need {missing}: pip install -e '.[test]'")
 
-# Each test rank compiles in its own process; a pool of compile workers per rank would only
-# compete for the same cores.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# How many kernels each test rank compiles at once. On CPU, Inductor compiles its C++ kernels from
+# a thread each (one g++ per kernel, no worker processes); the ranks of a test compile the same
+# kernels, and a file lock per kernel makes one rank wait while another compiles it: with two
+# threads, both cores compile. On GPUs, Triton kernels compile in a pool of worker processes,
+# which each test's ranks would start anew: there they compile one at a time.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1" if torch.cuda.is_available() else "2")
 
 # Inductor sets its cache folder's variable on first use when unset. Set here (to the same folder),
 # a compilation in the test process leaves the environment that decides how ranks start

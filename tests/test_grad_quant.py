@@ -176,6 +176,26 @@ def test_fma_emulation_is_correctly_rounded():
         assert got[i].item() == round_f32(exact), i
     naive = (code.float() * scale + acc)                # two roundings: differs somewhere
     assert not torch.equal(naive, got)
+    # Addends of close magnitude (scales in [1, 2), acc in [1, 2)): every float64 sum is exact.
+    near_acc = torch.rand(1000, generator=gen) + 1
+    near_product = code[500:1500] * (torch.rand(1000, generator=gen) + 1).double()
+    got = gq_format._fma_f32(near_acc, near_product)
+    for i in range(1000):
+        exact = Fraction(near_acc[i].item()) + Fraction(near_product[i].item())
+        assert got[i].item() == round_f32(exact), i
+
+
+def test_finite_blocks_quantize_as_the_nonfinite_path_does():
+    """Finite gradients skip the passes for inf and NaN; those passes give every finite block
+    the same codes and scales (zero, tiny and large blocks, values on rounding midpoints)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 64, generator=gen) * torch.exp2(torch.randint(-130, 120, (40, 1), generator=gen).float())
+    x[0] = 0.0
+    x[1, :8] = torch.arange(8) + 0.5    # rint on exact halves
+    for bits in (4, 8):
+        code, scale = gq_format._quantize_blocks(x, bits)
+        general_code, general_scale = gq_format._quantize_nonfinite_blocks(x, bits)
+        assert torch.equal(code, general_code) and torch.equal(scale, general_scale)
 
 
 def test_bad_arguments():
