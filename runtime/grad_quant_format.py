@@ -168,6 +168,7 @@ def _quantize_blocks(x: torch.Tensor, bits: int):
 
 
 def _quantize_finite_blocks(x: torch.Tensor, absmax: torch.Tensor, bits: int):
+    """Codes and scales of blocks holding no inf or NaN, given each block's max |x|."""
     q = _qmax(bits)
     qt = torch.full_like(absmax, float(q))
     scale = absmax / qt                                   # IEEE division (tensor / tensor)
