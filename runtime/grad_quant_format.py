@@ -193,15 +193,16 @@ def _quantize_nonfinite_blocks(x: torch.Tensor, bits: int):
     return code, scale
 
 
-def _dequantize_blocks(code: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes int32 [..., nb, B], scales float32 [..., nb] -> float32 [..., nb, B]."""
-    s = scale.unsqueeze(-1)
-    v = code.to(torch.float32) * s
+def _dequantize_blocks(code: torch.Tensor, scale: torch.Tensor, bits: int,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes int32 [..., nb, B], scales float32 [..., nb] -> code * scale in `dtype` [..., nb, B]
+    (exact in float64: <= 8 + 24 significant bits); inf-marker blocks give their marker values."""
+    s = scale.to(dtype).unsqueeze(-1)
+    v = code.to(dtype) * s
     marked = torch.isinf(s) & (s > 0)
     if not bool(marked.any()):
         return v
-    f = torch.zeros((), dtype=torch.float32, device=code.device)
-    return torch.where(marked, _marker_values(code, f, bits), v)
+    return torch.where(marked, _marker_values(code, torch.zeros((), dtype=dtype, device=code.device), bits), v)
 
 
 def _marker_values(code: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
@@ -265,18 +266,6 @@ def dequantize_pieces_ref(buf: torch.Tensor, num_pieces: int, shard_size: int, b
     return v.reshape(num_pieces, -1)[:, :shard_size]
 
 
-def _exact_products(code: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """code * scale, exact, in float64 (<= 8 + 24 significant bits); inf-marker blocks give
-    -(q+1) -> NaN, q -> +inf, -q -> -inf, other codes -> 0."""
-    s = scale.double().unsqueeze(-1)
-    p = code.double() * s
-    marked = torch.isinf(s) & (s > 0)
-    if not bool(marked.any()):
-        return p
-    f = torch.zeros((), dtype=torch.float64, device=code.device)
-    return torch.where(marked, _marker_values(code, f, bits), p)
-
-
 def _fma_f32(acc: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """float32(acc + p) with ONE rounding, for float32 ``acc`` and an exact float64 ``p``: the
     float64 sum rounded to odd (TwoSum error decides), then rounded to float32 -- correctly
@@ -305,7 +294,7 @@ def _sum_sources(buf, num_sources, num_pieces, shard_size, bits, block_size):
     for k in range(num_sources):
         code, scale = unpack_pieces(buf[k * per:(k + 1) * per], num_pieces, shard_size, bits,
                                     block_size)
-        p = _exact_products(code, scale, bits).reshape(num_pieces, -1)
+        p = _dequantize_blocks(code, scale, bits, torch.float64).reshape(num_pieces, -1)  # exact
         acc = p.to(torch.float32) if acc is None else _fma_f32(acc, p)
     return acc
 

@@ -136,11 +136,8 @@ def quantize_weight_reference(x: torch.Tensor, block_size: int) -> torch.Tensor:
     nb = (n + B - 1) // B
     xf = F.pad(x.float(), (0, nb * B - n)).view(nb, B)
 
-    a = xf.abs()
-    amax = a.amax(dim=1)  # NaN or +inf exactly where a block holds a non-finite value
-    finite = bool(torch.isfinite(amax).all())  # then the passes for non-finite values are skipped
-    if not finite:
-        amax = torch.where(torch.isnan(a), float("inf"), a).amax(dim=1)  # +inf iff non-finite block
+    amax = xf.abs().amax(dim=1)  # NaN where a block holds one (amax propagates NaN)
+    amax = torch.where(torch.isnan(amax), float("inf"), amax)  # +inf iff non-finite block
     amax = torch.where(amax < TINY_ABSMAX, 0.0, amax)
     # Tensor-by-tensor divisions: torch computes `127.0 / t` as reciprocal(t) * 127 (and may do
     # `t / 127.0` as a multiply), which is not the correctly rounded quotient the kernel computes.
@@ -150,10 +147,11 @@ def quantize_weight_reference(x: torch.Tensor, block_size: int) -> torch.Tensor:
     normal = (amax > 0) & (amax < float("inf"))
     inv = torch.where(normal, c127 / torch.where(normal, amax, 1.0), 0.0)
     q = torch.round(torch.clamp(xf * inv[:, None], -127.0, 127.0))  # round = half to even
-    if not finite:
+    nonfinite = torch.isinf(scale)
+    if bool(nonfinite.any()):  # finite data skips these passes
         nonfinite_code = torch.where(torch.isnan(xf), -128.0, torch.where(xf > 0, 127.0, -127.0))
         special = torch.where(torch.isfinite(xf), 0.0, nonfinite_code)
-        q = torch.where(torch.isinf(scale)[:, None], special, q)
+        q = torch.where(nonfinite[:, None], special, q)
 
     packed = torch.empty(packed_weight_bytes(n, B), dtype=torch.uint8, device=x.device)
     packed[: nb * B] = q.to(torch.int8).view(-1).view(torch.uint8)
