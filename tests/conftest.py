@@ -27,6 +27,14 @@ if sys.platform == "linux":
 # which each test's ranks would start anew: there they compile one at a time.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1" if torch.cuda.is_available() else "2")
 
+# On CPU, test ranks have Inductor write scalar C++ kernels instead of vectorized ones. What the
+# tests check (the graphs our passes leave, the collectives, the numbers against the float64
+# reference) is the same either way, while choosing the vector tiling and compiling its templates
+# takes about a quarter of an Inductor-mode test's time. GPUs run Triton kernels, unaffected; the
+# README's main job keeps Inductor's default. Read when Inductor's config is first imported (below).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
 # Inductor sets its cache folder's variable on first use when unset. Set here (to the same folder),
 # a compilation in the test process leaves the environment that decides how ranks start
 # (tests/distributed.py) as it was; changed, every later rank would start as a new interpreter.
