@@ -159,6 +159,24 @@ def optimizer_steps(opt: torch.optim.Optimizer, step_fn: Callable[..., torch.Ten
     return losses
 
 
+def spread(calls: list[tuple], processes: int = 2) -> list[Any]:
+    """fn(*args) for each (fn, *args) of `calls`, in order, the calls shared among the kept test
+    ranks of `processes` processes (each takes every `processes`-th): single-process work, such as
+    the Triton interpreter's, which runs on one core, then keeps every core busy. GPU runs make
+    the calls here, one after another (they are quick there, and a GPU rank starts slowly)."""
+    if BACKEND == "nccl":
+        return [fn(*args) for fn, *args in calls]
+    shares = run_ranks(_share, processes, calls)
+    results: list[Any] = [None] * len(calls)
+    for rank, share in enumerate(shares):
+        results[rank::processes] = share
+    return results
+
+
+def _share(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
+    return [fn(*args) for fn, *args in calls[rank::world_size]]
+
+
 def in_turn(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
     """fn(rank, world_size, *args) for each (fn, *args) of `calls` in turn, on one spawned group:
     several checks pay for one process start. Before each, Dynamo forgets the previous call's

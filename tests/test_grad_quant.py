@@ -17,12 +17,14 @@ output dtype (half an ulp: ``2**-8 |x|`` for bf16, ``2**-11 |x| + 2**-25`` for f
 import math
 import os
 import struct
+from typing import Any
 
 import pytest
 import torch
 
 from zpp_compile.runtime import grad_quant as gq
 from zpp_compile.runtime import grad_quant_format as gq_format
+from distributed import spread
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 C_BOUND = 0.5 + 2.0 ** -12
@@ -230,6 +232,28 @@ def test_opcheck(op):
 # Triton (interpreter on CPU) == torch twin, bit for bit
 # ------------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def kernel_outputs(request) -> dict[str, Any]:
+    """The kernel and twin outputs of every selected test of this module that reads `launched`,
+    by test id: its `OUTPUTS` function called with its parameters. The Triton interpreter runs a
+    kernel's programs one after another on one core, so all of them are computed up front, shared
+    among the processes of the test ranks (`spread`); the tests compare them here."""
+    items = [item for item in request.session.items
+             if item.module is request.module and "launched" in item.fixturenames]
+    calls = [(_outputs, item.originalname, item.callspec.params) for item in items]
+    return {item.nodeid: outputs for item, outputs in zip(items, spread(calls))}
+
+
+@pytest.fixture
+def launched(kernel_outputs, request) -> Any:
+    """This test's outputs (see kernel_outputs)."""
+    return kernel_outputs[request.node.nodeid]
+
+
+def _outputs(test_name: str, params: dict[str, Any]) -> Any:
+    return OUTPUTS[test_name](**params)
+
+
 def nasty(n: int, dtype, gen: torch.Generator) -> torch.Tensor:
     """Random values over many magnitudes, plus the special cases the kernels branch on."""
     x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 20, (n,), generator=gen))
@@ -249,17 +273,24 @@ TILES = [None, 128]
 BLOCK_TILE = [(32, 128), (96, None)]      # (block size, tile): B = 96 is not a power of two
 
 
+def quantize_outputs(dtype, bits, B, tile) -> list[tuple]:
+    """(problem, kernel output, twin output) for each problem of test_triton_quantize_matches_twin."""
+    gen = torch.Generator().manual_seed(bits * 100 + B)
+    outputs = []
+    for (N, R), S in (((2, 2), 333), ((1, 3), 101), ((3, 1), 7)):
+        g = nasty(N * R * S, dtype, gen)
+        outputs.append(((N, R, S), gq.qgz_quantize_triton(g.to(DEV), N, R, bits, B, tile_elems=tile).cpu(),
+                        gq.qgz_quantize_ref(g, N, R, bits, B)))
+    return outputs
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("B,tile", BLOCK_TILE)
-def test_triton_quantize_matches_twin(dtype, bits, B, tile):
-    gen = torch.Generator().manual_seed(bits * 100 + B)
-    for (N, R), S in (((2, 2), 333), ((1, 3), 101), ((3, 1), 7)):
-        g = nasty(N * R * S, dtype, gen)
-        ref = gq.qgz_quantize_ref(g, N, R, bits, B)
-        out = gq.qgz_quantize_triton(g.to(DEV), N, R, bits, B, tile_elems=tile).cpu()
-        assert torch.equal(out, ref), (N, R, S)
+def test_triton_quantize_matches_twin(dtype, bits, B, tile, launched):
+    for problem, out, ref in launched:
+        assert torch.equal(out, ref), problem
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -291,18 +322,25 @@ def test_codes_round_the_exact_product(bits):
         assert torch.equal(out, ref)
 
 
-@needs_triton
-@pytest.mark.parametrize("in_bits,out_bits", [(4, 4), (8, 4), (4, 8), (8, 8)])
-@pytest.mark.parametrize("B,tile", BLOCK_TILE)
-def test_triton_reduce_requantize_matches_twin(in_bits, out_bits, B, tile):
+def reduce_requantize_outputs(in_bits, out_bits, B, tile) -> list[tuple]:
+    """(problem, kernel output, twin output) for each problem of
+    test_triton_reduce_requantize_matches_twin."""
     gen = torch.Generator().manual_seed(in_bits * 10 + out_bits + B)
+    outputs = []
     for K, P, S in ((3, 2, 301), (1, 1, 5)):
         recv = torch.cat([gq.qgz_quantize_ref(nasty(P * S, torch.float32, gen), P, 1, in_bits, B)
                           for _ in range(K)])
-        ref = gq.qgz_reduce_requantize_ref(recv, K, P, S, in_bits, out_bits, B)
-        out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, P, S, in_bits, out_bits, B,
-                                              tile_elems=tile).cpu()
-        assert torch.equal(out, ref), (K, P, S)
+        out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, P, S, in_bits, out_bits, B, tile_elems=tile).cpu()
+        outputs.append(((K, P, S), out, gq.qgz_reduce_requantize_ref(recv, K, P, S, in_bits, out_bits, B)))
+    return outputs
+
+
+@needs_triton
+@pytest.mark.parametrize("in_bits,out_bits", [(4, 4), (8, 4), (4, 8), (8, 8)])
+@pytest.mark.parametrize("B,tile", BLOCK_TILE)
+def test_triton_reduce_requantize_matches_twin(in_bits, out_bits, B, tile, launched):
+    for problem, out, ref in launched:
+        assert torch.equal(out, ref), problem
 
 
 @needs_triton
@@ -358,10 +396,20 @@ def received(K: int, P: int, S: int, bits: int, B: int, seed: int, special: bool
     return torch.cat(srcs)
 
 
+def persistent_loop_outputs(in_bits, out_bits, slow_chunk, l2_prefetch) -> tuple:
+    """(input, kernel output, twin output) of test_triton_reduce_requantize_persistent_loop."""
+    K, B, S = 2, 32, 25 * 32 + 5
+    recv = received(K, 1, S, in_bits, B, seed=in_bits * 10 + out_bits, special=True)
+    out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, 1, S, in_bits, out_bits, B,
+                                          tile_elems=128, programs_per_sm=1,
+                                          slow_chunk=slow_chunk, l2_prefetch=l2_prefetch).cpu()
+    return recv, out, gq.qgz_reduce_requantize_ref(recv, K, 1, S, in_bits, out_bits, B)
+
+
 @needs_triton
 @pytest.mark.parametrize("in_bits,out_bits,slow_chunk,l2_prefetch", [
     (4, 4, 32, None), (8, 8, 32, True), (8, 4, 32, None), (4, 8, 32, False), (8, 4, 1, None)])
-def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, slow_chunk, l2_prefetch):
+def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, slow_chunk, l2_prefetch, launched):
     """More full tiles than programs: 3 programs (the interpreter counts 3 SMs) walk 6 tiles of
     4 blocks, program i tiles i and i + 3 (the next tile's loads issued before the current
     tile's arithmetic; the tiles that need the slow path redone after both, or after each
@@ -369,17 +417,22 @@ def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, slow_chunk,
     the kernel branches on (tile 4 none of it: its sum comes from the prefetched words), and
     the output keeps it visible. With and without the L2 prefetch (on the GPU; the
     interpreter has no cache to ask)."""
-    K, B, S = 2, 32, 25 * 32 + 5
-    recv = received(K, 1, S, in_bits, B, seed=in_bits * 10 + out_bits, special=True)
+    B, S = 32, 25 * 32 + 5
+    recv, out, ref = launched
     _, s_in = gq.unpack_pieces(recv[:gq.piece_bytes(S, B, in_bits)], 1, S, in_bits, B)
     assert (s_in == math.inf).any() and ((s_in > 0) & (s_in < 2.0 ** -126)).any()
-    ref = gq.qgz_reduce_requantize_ref(recv, K, 1, S, in_bits, out_bits, B)
     _, s_out = gq.unpack_pieces(ref, 1, S, out_bits, B)
     assert (s_out == math.inf).sum() > (s_in == math.inf).sum()    # finite sums overflowed
-    out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, 1, S, in_bits, out_bits, B,
-                                          tile_elems=128, programs_per_sm=1,
-                                          slow_chunk=slow_chunk, l2_prefetch=l2_prefetch).cpu()
     assert torch.equal(out, ref)
+
+
+def default_tiles_outputs(in_bits, out_bits, K, B) -> tuple:
+    """(kernel output, twin output) of test_triton_reduce_requantize_default_tiles."""
+    nb = gq.elems_per_thread(K, in_bits) * 128 // B + 1
+    S = (nb - 1) * B + 77
+    recv = received(K, 1, S, in_bits, B, seed=K + in_bits * 10 + out_bits, special=False)
+    return (gq.qgz_reduce_requantize_triton(recv.to(DEV), K, 1, S, in_bits, out_bits, B).cpu(),
+            gq.qgz_reduce_requantize_ref(recv, K, 1, S, in_bits, out_bits, B))
 
 
 @needs_triton
@@ -387,14 +440,10 @@ def test_triton_reduce_requantize_persistent_loop(in_bits, out_bits, slow_chunk,
     (4, 4, 4, 256), (8, 8, 4, 256), (8, 4, 4, 256), (4, 8, 4, 256),   # 2 nodes x 4 ranks
     (4, 4, 8, 256), (8, 4, 8, 256), (8, 8, 1, 256),                   # 8 / 1 ranks per node
     (8, 8, 2, 2048), (4, 4, 2, 2048)])                                # 64 / 32 threads per block
-def test_triton_reduce_requantize_default_tiles(in_bits, out_bits, K, B):
+def test_triton_reduce_requantize_default_tiles(in_bits, out_bits, K, B, launched):
     """The default tiles (elems_per_thread; 1 or 2 vectors of a block per thread at block
     256): one full tile, then a partial one of one partial block."""
-    nb = gq.elems_per_thread(K, in_bits) * 128 // B + 1
-    S = (nb - 1) * B + 77
-    recv = received(K, 1, S, in_bits, B, seed=K + in_bits * 10 + out_bits, special=False)
-    ref = gq.qgz_reduce_requantize_ref(recv, K, 1, S, in_bits, out_bits, B)
-    out = gq.qgz_reduce_requantize_triton(recv.to(DEV), K, 1, S, in_bits, out_bits, B).cpu()
+    out, ref = launched
     assert torch.equal(out, ref)
 
 
@@ -425,19 +474,26 @@ def test_triton_reduce_requantize_bad_tuning():
             gq.qgz_reduce_requantize_triton(recv.to(DEV), 1, 1, 64, 4, 4, 32, **kw)
 
 
+def dequantize_reduce_outputs(dtype, bits, B, tile) -> list[tuple]:
+    """(problem, kernel output, twin output) for each problem of
+    test_triton_dequantize_reduce_matches_twin."""
+    gen = torch.Generator().manual_seed(bits + B)
+    outputs = []
+    for K, S, scale in ((4, 333, 0.25), (1, 9, 1.0), (3, 250, 1 / 3)):
+        recv = torch.cat([gq.qgz_quantize_ref(nasty(S, torch.float32, gen), 1, 1, bits, B)
+                          for _ in range(K)])
+        out = gq.qgz_dequantize_reduce_triton(recv.to(DEV), K, S, bits, B, dtype, scale, tile_elems=tile).cpu()
+        outputs.append(((K, S), out, gq.qgz_dequantize_reduce_ref(recv, K, S, bits, B, dtype, scale)))
+    return outputs
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("B,tile", BLOCK_TILE)
-def test_triton_dequantize_reduce_matches_twin(dtype, bits, B, tile):
-    gen = torch.Generator().manual_seed(bits + B)
-    for K, S, scale in ((4, 333, 0.25), (1, 9, 1.0), (3, 250, 1 / 3)):
-        recv = torch.cat([gq.qgz_quantize_ref(nasty(S, torch.float32, gen), 1, 1, bits, B)
-                          for _ in range(K)])
-        ref = gq.qgz_dequantize_reduce_ref(recv, K, S, bits, B, dtype, scale)
-        out = gq.qgz_dequantize_reduce_triton(recv.to(DEV), K, S, bits, B, dtype, scale,
-                                              tile_elems=tile).cpu()
-        assert out.dtype == dtype and same_bits(out, ref), (K, S)
+def test_triton_dequantize_reduce_matches_twin(dtype, bits, B, tile, launched):
+    for problem, out, ref in launched:
+        assert out.dtype == dtype and same_bits(out, ref), problem
 
 
 @needs_triton
@@ -579,17 +635,35 @@ def test_pipeline_bound_catches_a_wrong_mean():
         check_against_mean(grads, wrong, bounds, N, R, torch.float32)
 
 
-@needs_triton
-@pytest.mark.parametrize("N,R", [(2, 2), (1, 2), (2, 1)])
-def test_pipeline_triton_equals_ops(N, R):
-    W = N * R
+def pipeline_outputs(N, R) -> list[tuple]:
+    """(the Triton kernels' results, the ops' results) of the simulated pipeline for each problem
+    of test_pipeline_triton_equals_ops."""
+    outputs = []
     for S, B, dtype, (b1, b2) in ((7, 32, torch.bfloat16, (4, 4)),
                                   (300, 64, torch.float16, (8, 4))):
-        grads = make_grads(W, S, dtype, seed=S)
+        grads = make_grads(N * R, S, dtype, seed=S)
         want, _ = simulate(grads, N, R, B, b1, b2, dtype, impl="op")
         got, _ = simulate([g.to(DEV) for g in grads], N, R, B, b1, b2, dtype, impl="triton")
-        for a, b in zip(got, want):
-            assert same_bits(a, b)
+        outputs.append((got, want))
+    return outputs
+
+
+@needs_triton
+@pytest.mark.parametrize("N,R", [(2, 2), (1, 2), (2, 1)])
+def test_pipeline_triton_equals_ops(N, R, launched):
+    for got, want in launched:
+        assert len(got) == len(want) == N * R and all(same_bits(a, b) for a, b in zip(got, want))
+
+
+# The function whose outputs each test that reads `launched` compares.
+OUTPUTS = {
+    "test_triton_quantize_matches_twin": quantize_outputs,
+    "test_triton_reduce_requantize_matches_twin": reduce_requantize_outputs,
+    "test_triton_reduce_requantize_persistent_loop": persistent_loop_outputs,
+    "test_triton_reduce_requantize_default_tiles": default_tiles_outputs,
+    "test_triton_dequantize_reduce_matches_twin": dequantize_reduce_outputs,
+    "test_pipeline_triton_equals_ops": pipeline_outputs,
+}
 
 
 def exact_grads(N, R, S, B, dtype):
