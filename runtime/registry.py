@@ -4,8 +4,9 @@ It remembers what outlives a single call: the process groups built for each topo
 them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
 what settings, the module classes that gather their parameters, and the collectives each compiled
 graph issues (the communication ledger), the parameter gathers of compiled graphs that every rank
-agreed on (runtime.agreement), the thread that watches Config.cuda_graphs' calls, and the passes'
-traced helper functions (reused by every identical layer).
+agreed on (runtime.agreement), the shards still waiting for their initial values, the thread that
+watches Config.cuda_graphs' calls, and the passes' traced helper functions (reused by every
+identical layer).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class Registry:
     cuda_graph_watch: Any = None  # runtime.cuda_graphs.CallWatch, made by the first graphed compilation
     traces: dict[tuple, Any] = field(default_factory=dict)  # passes.fx_util.insert_traced's traces, by call
     agreed_schedules: set[tuple[frozenset[int], str]] = field(default_factory=set)  # (sharding ids, digest)
+    # Shards and buffers allocated but not yet given values (NaN until then), by tensor -> state:
+    # what to_empty() after shard left, or meta modules shard() had no init for.
+    unset: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
     def add_state(self, state: ShardingState) -> int:
         """Registers the state of one `shard` call; returns its sharding id."""

@@ -132,11 +132,6 @@ def meta_init_run(rank: int, world_size: int) -> dict[str, int]:
     assert model.head._parameters["weight"] is model.embed._parameters["weight"], "tied weights came apart"
     tokens = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(0)).to(device())
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-6, atol=1e-7)
-    # FSDP2's next step, to_empty(), would swap the initialized shards for uninitialized memory (an
-    # init after it writes to gathered copies): an error naming the way, the values untouched.
-    with pytest.raises(RuntimeError, match=r"to_empty\(\) after zpp_compile.shard .* init=fn"):
-        model.to_empty(device=device())
-    assert_same_state(zpp.full_state_dict(model), reference.state_dict())
 
     # A function of one module, for a model with its own init scheme: as model.apply(fn) on the
     # unsharded model.
@@ -159,13 +154,7 @@ def meta_init_run(rank: int, world_size: int) -> dict[str, int]:
     zpp.shard(model)
     assert torch.equal(model.blocks[0].noise.cpu(), rank0_noise[0])
 
-    # A model on the meta device with no way to initialize it, or an init that misses a tensor:
-    # the same clear error on every rank.
-    with torch.device("meta"):
-        model = TinyTransformer()
-    with pytest.raises(ValueError, match=r"define no reset_parameters\(\): blocks\.0 \(gate\), blocks\.1 \(gate\), "
-                                         r"<root> \(pos\)\. Pass shard\(model, config, init=fn\)"):
-        zpp.shard(model)
+    # An init that misses a tensor: the same clear error on every rank.
     with torch.device("meta"):
         model = InitModel()
     with pytest.raises(ValueError, match=r"init\(module\) left scale, gate, noise of module 'blocks\.0' unset"):
@@ -254,6 +243,65 @@ def test_meta_init_buffers_and_full_state_dicts_match_the_unsharded_model(monkey
         # scattered), never the model: measured 2.5 layers with allocator noise between runs.
         layer = growth["full"] // 24
         assert growth["load"] < 3 * layer, growth
+
+
+def fsdp2_order_run(rank: int, world_size: int) -> None:
+    tokens = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(0)).to(device())
+    # FSDP2's order: shard the meta model, to_empty() (device named as torchtitan names it, without
+    # an index), then the model's own init on the sharded parameters. Until every shard is
+    # written, a forward is an error naming what is unset, on every rank, also when the one unset
+    # tensor has no rows on a rank (the embedding's one row: rank 1 holds none).
+    with torch.device("meta"):
+        model = InitModel(tied=False, vocab=1)
+    zpp.shard(model)
+    model.to_empty(device=device().type)
+    with pytest.raises(RuntimeError, match=r"zeropp: embed\.weight, blocks\.0\.scale, .* hold no values yet"):
+        model(tokens % 1)
+    model.apply(lambda m: None if isinstance(m, (nn.LayerNorm, nn.Embedding)) else small_init(m))
+    with pytest.raises(RuntimeError, match=r"zeropp: embed\.weight, blocks\.0\.norm\.weight, blocks\.0\.norm\.bias, "
+                                           r"blocks\.1\.norm\.weight, blocks\.1\.norm\.bias hold no values yet"):
+        model(tokens % 1)
+    model.apply(lambda m: small_init(m) if isinstance(m, nn.LayerNorm) else None)
+    with pytest.raises(RuntimeError, match=r"zeropp: embed\.weight holds no values yet"):
+        model(tokens % 1)
+    model.apply(lambda m: small_init(m) if isinstance(m, nn.Embedding) else None)
+    full = zpp.full_state_dict(model)
+    for name in ("blocks.0.norm.weight", "blocks.1.norm.bias", "blocks.0.gate"):
+        expected = {"weight": 1.0, "bias": 0.0, "gate": 0.25}[name.rsplit(".", 1)[1]]
+        assert torch.equal(full[name], torch.full_like(full[name], expected)), name
+    for name in ("blocks.0.fc.weight", "blocks.1.out.weight"):  # drawn on each rank's shard
+        assert abs(full[name].std().item() / 0.02 - 1) < 0.25, (name, full[name].std())
+    assert all(bool(t.isfinite().all()) for t in full.values())
+    reference = InitModel(tied=False, vocab=1).to(device())
+    reference.load_state_dict(full)
+    torch.testing.assert_close(model(tokens % 1), reference(tokens % 1), rtol=1e-6, atol=1e-7)
+
+    # Modules with no reset_parameters() and no init= (the 0-d gates, the root's pos) are left
+    # for the model's own init in the same way; the rest is initialized by shard().
+    with torch.device("meta"):
+        model = TinyTransformer()
+    zpp.shard(model)
+    with pytest.raises(RuntimeError, match=r"zeropp: pos, blocks\.0\.gate, blocks\.1\.gate hold no values yet"):
+        model(tokens, tokens)
+    with torch.no_grad():
+        model.pos.normal_()
+        for block in model.blocks:
+            nn.init.constant_(block.gate, 0.5)
+    assert torch.isfinite(model(tokens, tokens))
+
+    # A compiled step checks too, also when it was compiled before to_empty().
+    model = zpp.shard(InitModel().to(device()), zpp.Config(inductor=False))
+    step = torch.compile(model, backend="zeropp")
+    step(tokens)
+    model.to_empty(device=device())
+    with pytest.raises(RuntimeError, match=r"zeropp: embed\.weight, blocks\.0\.scale, .* hold no values yet"):
+        step(tokens)
+    model.apply(small_init)
+    torch.testing.assert_close(step(tokens), model(tokens))
+
+
+def test_fsdp2_order_to_empty_then_the_models_own_init():
+    run_ranks(fsdp2_order_run, 2)
 
 
 def test_bad_arguments_are_clear_errors():

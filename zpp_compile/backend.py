@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .compile_cache import PassCache, to_local_as_method
 from .config import Config, ConfigError
+from .initialization import check_initialized
 from .local_shards import local_shard_inputs, reading_local_shards
 from .pass_manager import PassManager
 from .passes import PASSES, GraphPass
@@ -64,7 +65,20 @@ def zeropp_backend(
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     to_local_as_method(gm)
     example_inputs, shard_positions = local_shard_inputs(gm, example_inputs)
-    return reading_local_shards(_compile(gm, example_inputs, config, state, manager), shard_positions)
+    compiled = reading_local_shards(_compile(gm, example_inputs, config, state, manager), shard_positions)
+    return _checking_initialized(compiled, state)
+
+
+def _checking_initialized(compiled: Callable[..., Any], state: ShardingState) -> Callable[..., Any]:
+    """`compiled`, first checking, while some of the model's shards wait for their initial values
+    (to_empty() after shard), that they have them: `check_initialized`, as an eager forward does."""
+
+    def run(*args: Any) -> Any:
+        if REGISTRY.unset:
+            check_initialized(state)
+        return compiled(*args)
+
+    return run
 
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Config, state: ShardingState,

@@ -9,6 +9,10 @@
   module's full parameters. Rank 0's values are kept, as for a model built on a real device;
   the other ranks run the same initialization on a forked random state, so an error in it is
   raised on every rank and their own random streams are left as they were.
+- FSDP2's order, `to_empty()` after `shard` and then the model's own init on the sharded
+  parameters, works as well: `to_empty()` fills the shards with NaN, as `shard` does the tensors of
+  meta modules it has no init for, and a forward checks first that every such tensor was written
+  (`await_initialization`, `check_initialized`).
 - Buffers are not sharded; `shard` broadcasts them from rank 0 (as DDP does), so a buffer filled
   randomly or per rank ends the same everywhere.
 - Full (unsharded) tensors: `load_full_state_dict` sends a state dict held by one rank tensor by
@@ -28,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .runtime.registry import REGISTRY
+from .runtime.registry import REGISTRY, ShardingState
 from .runtime.topology import Topology
 
 InitFn = Callable[[nn.Module], None]
@@ -37,9 +41,11 @@ InitFn = Callable[[nn.Module], None]
 class MetaInit:
     """Materializes and initializes a model's meta-device modules, one at a time, during `shard`.
 
-    Constructed before any collective: a model on the meta device with no way to initialize it is
-    an error raised on every rank alike (every rank holds the same model structure, which `shard`
-    checks first)."""
+    A module with no way to initialize it (no `init`, no `reset_parameters()`) is materialized
+    unset, to be initialized after `shard` by the model's own code as FSDP2's users do
+    (`to_empty()`, then e.g. `init_weights()`); `unset` lists its tensors, which `shard` hands to
+    `await_initialization`. Constructed before any collective: a bad `init` is an error raised on
+    every rank alike (every rank holds the same model structure, which `shard` checks first)."""
 
     def __init__(self, model: nn.Module, init: InitFn | None) -> None:
         if init is not None and not callable(init):
@@ -51,21 +57,16 @@ class MetaInit:
                 "zpp_compile.shard: init= initializes parameters and buffers on the meta device, and this model has "
                 "none; initialize it before shard(), or build it under `with torch.device('meta'):`"
             )
-        if init is None:
-            missing = [f"{name or '<root>'} ({', '.join(_meta_tensor_names(module))})" for name, module in on_meta
-                       if not callable(getattr(module, "reset_parameters", None))]
-            if missing:
-                raise ValueError(
-                    "zpp_compile.shard: the model is on the meta device (it holds no values yet), and these modules "
-                    f"hold meta parameters or buffers but define no reset_parameters(): {listing(missing)}. Pass "
-                    "shard(model, config, init=fn), where fn(module) initializes the module's own parameters and "
-                    "buffers (e.g. a HF model's model._init_weights), or build the model on a real device"
-                )
+        # Modules with no way to initialize them wait for the model's own initialization after
+        # shard() (FSDP2's order: to_empty(), then e.g. init_weights()); the next forward checks.
+        self.waiting = set() if init is not None else {
+            id(module) for _, module in on_meta if not callable(getattr(module, "reset_parameters", None))}
         self.init = init
         self.names = {id(module): name or "<root>" for name, module in modules}
         # Meta tensors already initialized, by id; held, so that no id is reused while sharding.
         self.initialized: dict[int, nn.Parameter] = {}
         self.buffers: dict[int, torch.Tensor] = {}  # materialized buffers, by the meta buffer's id
+        self.unset: list[torch.Tensor] = []  # meta parameters (the originals) and buffers left unset
 
     def materialize(self, module: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
         """Initializes `module`'s own meta parameters and buffers on `device`.
@@ -83,9 +84,13 @@ class MetaInit:
             module._parameters[name] = nn.Parameter(_unset(param, device), requires_grad=param.requires_grad)
         for name, buffer in buffers.items():
             module._buffers[name] = self.buffers[id(buffer)] if id(buffer) in self.buffers else _unset(buffer, device)
-        self._run_init(module, device)
         kept = {name: module._parameters[name] for name, p in params.items() if id(p) not in self.initialized}
-        self._check_initialized(module, {**kept, **{name: module._buffers[name] for name in buffers}})
+        if id(module) in self.waiting:
+            self.unset += [params[name] for name in kept]
+            self.unset += [module._buffers[name] for name, b in buffers.items() if id(b) not in self.buffers]
+        else:
+            self._run_init(module, device)
+            self._check_initialized(module, {**kept, **{name: module._buffers[name] for name in buffers}})
         for name, param in params.items():  # `shard` finds tied parameters by the original objects
             module._parameters[name] = param
             self.initialized[id(param)] = param
@@ -115,6 +120,53 @@ class MetaInit:
                 "model is on the meta device, so these have no values until initialized). The init must set every "
                 "parameter and buffer the module holds itself (recurse=False), as torch's reset_parameters() does"
             )
+
+
+def await_initialization(tensors: list[torch.Tensor], state: ShardingState) -> None:
+    """Fills shards or buffers of the model sharded with `state` with NaN (where the dtype has it)
+    and marks them as waiting for the model's own initialization: `check_initialized` looks at
+    them before the next forward."""
+    with torch.no_grad():
+        for tensor in tensors:
+            if tensor.is_floating_point() or tensor.is_complex():
+                (tensor.to_local() if isinstance(tensor, DTensor) else tensor).fill_(math.nan)
+                REGISTRY.unset[tensor] = state
+
+
+def check_initialized(state: ShardingState) -> None:
+    """Raises on every rank, before a forward of the model sharded with `state`, if a tensor that
+    waited for its initialization still holds NaN where no value was written (one reduction
+    across ranks, once: a rank's shard may be empty, and every rank must raise alike)."""
+    waiting = [tensor for tensor, owner in REGISTRY.unset.items() if owner is state]
+    if not waiting:
+        return
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in waiting]
+    flags = torch.stack([t.isnan().any() for t in local]).to(state.topology.device, torch.float32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.topology.mesh.get_group())
+    unset = []
+    for tensor, flag in zip(waiting, flags.tolist()):
+        if flag:
+            unset.append(tensor)
+        else:
+            del REGISTRY.unset[tensor]
+    if unset:
+        verb = "holds" if len(unset) == 1 else "hold"
+        raise RuntimeError(
+            f"zeropp: {_names(unset, state)} {verb} no values yet: the model was built on the meta device or "
+            "emptied by to_empty() after zpp_compile.shard, and nothing has initialized them since. Initialize "
+            "the sharded model as the unsharded one, after shard() (e.g. model.init_weights(), "
+            "model.apply(model._init_weights), nn.init.* on module.weight: each acts on the shards), or give "
+            "shard(model, config, init=fn) a function that initializes one module's own parameters and buffers"
+        )
+
+
+def _names(tensors: list[torch.Tensor], state: ShardingState) -> str:
+    """The qualified names of `tensors` in the models sharded with `state`, for an error message."""
+    ids = {id(t) for t in tensors}
+    names = [name for model, owner in REGISTRY.models.items() if owner is state
+             for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+             if id(t) in ids]
+    return listing(names or [f"{len(tensors)} tensor(s)"])
 
 
 def children_first(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -31,7 +31,9 @@ from .config import Config, ConfigError, regions_reuse_traces
 from . import leaf_modules
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .grad_sync import GatherArgs, gather_local_shard, gathered_weight, local_shard
-from .initialization import MetaInit, accept_full_tensors, broadcast_buffers, children_first, listing
+from .initialization import (
+    MetaInit, accept_full_tensors, await_initialization, broadcast_buffers, check_initialized, children_first, listing,
+)
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
 from .runtime.registry import REGISTRY, ShardingState
@@ -125,7 +127,9 @@ def shard(
         leaf_modules.attach(leaf)
     attach_to_model(model, scope)
     model.register_forward_pre_hook(_refuse_unsharded_trainable)
+    model.register_forward_pre_hook(_check_initialized_before_forward)
     broadcast_buffers(model, topology)
+    await_initialization([sharded.get(id(t), t) for t in meta_init.unset], state)
     REGISTRY.models[model] = state
     return model
 
@@ -166,6 +170,13 @@ def _leaf_modules(model: nn.Module, config: Config) -> list[nn.Module]:
                           f"{type(model).__name__}; give class names ({listing(classes, 12)}) or qualified module "
                           "names")
     return [module for name, module in named if leaf_modules.is_leaf(name, module, config.leaf_modules)]
+
+
+def _check_initialized_before_forward(model: nn.Module, _args: Any) -> None:
+    """Before an eager forward: shards or buffers still waiting for their initial values are an
+    error (`check_initialized`). Compiled steps check before each call of their graphs instead."""
+    if not torch.compiler.is_compiling() and REGISTRY.unset:
+        check_initialized(REGISTRY.models[model])
 
 
 def _refuse_unsharded_trainable(model: nn.Module, _args: Any) -> None:
@@ -516,37 +527,41 @@ def _apply_to_shards(
     """Runs nn.Module._apply (`apply`) on a module holding shards, as FSDP2 allows: each shard is
     converted in place (same Parameter object, so an optimizer built before keeps it), and its
     gathers then produce the new dtype unless Config.param_dtype fixes one. The shards must stay
-    on the device of the process groups (`shard()` put them there)."""
-    if getattr(fn, "__qualname__", "") == _TO_EMPTY:
-        raise RuntimeError(
-            f"to_empty() after zpp_compile.shard would replace the shards of {type(module).__name__} with "
-            "uninitialized memory, and an initialization run afterwards would write to gathered copies, not "
-            "to the shards. shard() already allocated and initialized the meta-device modules (each module's "
-            "reset_parameters()): drop the to_empty() call, and give another initialization to shard as "
-            "shard(model, config, init=fn)"
-        )
+    on the device of the process groups (`shard()` put them there). `to_empty()` (FSDP2's step
+    before the model's own initialization) leaves each shard unset until something writes it."""
     shards = {id(p): p for p in (module._parameters[name] for name in module._zpp_layouts)}
     for shard in shards.values():
         state = REGISTRY.params[shard]
         with torch.no_grad():
             target = fn(torch.empty(0, dtype=shard.dtype, device=shard.device)).device
-        if target != state.topology.device:
+        if not _same_device(target, state.topology.device):
             raise RuntimeError(
                 f"cannot move the shards of {type(module).__name__} from {shard.device} to {target}: "
                 f"zeropp keeps them on {state.topology.device}, the device of its process groups; move the "
                 "model before zpp_compile.shard (dtype conversions such as .to(torch.bfloat16) are fine)"
             )
     # swap_tensors, which converts DTensor parameters in place, refuses a tensor that has weak
-    # references; the registry's is the only one.
+    # references; the registry's are the only ones.
     states = {key: REGISTRY.params.pop(shard) for key, shard in shards.items()}
+    unset = {key: REGISTRY.unset.pop(shard) for key, shard in shards.items() if shard in REGISTRY.unset}
     try:
         out = apply()
     finally:
         for key, shard in shards.items():
             REGISTRY.params[shard] = states[key]
+            if key in unset:
+                REGISTRY.unset[shard] = unset[key]
     layouts = {}
     for name, layout in module._zpp_layouts.items():
         dtype = REGISTRY.states[layout.sharding_id].config.param_dtype or module._parameters[name].dtype
         layouts[name] = dataclasses.replace(layout, dtype=dtype)
     _set_layouts(module, layouts)
+    if getattr(fn, "__qualname__", "") == _TO_EMPTY:
+        await_initialization(list(shards.values()), REGISTRY.params[next(iter(shards.values()))])
     return out
+
+
+def _same_device(target: torch.device, device: torch.device) -> bool:
+    """Whether `target` names `device`; a device without an index (to_empty(device="cuda"), as
+    torchtitan calls it) means the current one, which is the rank's."""
+    return target.type == device.type and target.index in (None, device.index)
