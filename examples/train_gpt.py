@@ -37,7 +37,7 @@ TECHNIQUES = {"forward weight gather": ("qwZ", "quantized_weights"),
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=50)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
