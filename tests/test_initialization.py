@@ -307,6 +307,33 @@ def test_fsdp2_order_to_empty_then_the_models_own_init():
     run_ranks(fsdp2_order_run, 2)
 
 
+class FusedPair(nn.Module):
+    """One weight stored as two in state dicts, as torchtitan's fused QKV projection does: a
+    state-dict hook splits it into keys no parameter holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.both = nn.Linear(4, 7, bias=False)
+        self.register_state_dict_post_hook(self._split)
+
+    @staticmethod
+    def _split(module: nn.Module, state: dict, prefix: str, _local: dict) -> None:
+        first, second = state.pop(prefix + "both.weight").split([3, 4])
+        state[prefix + "first.weight"], state[prefix + "second.weight"] = first, second
+
+
+def renamed_keys_run(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    reference = FusedPair().to(device())
+    torch.manual_seed(0)
+    model = zpp.shard(FusedPair().to(device()))
+    assert_same_state(zpp.full_state_dict(model), reference.state_dict())
+
+
+def test_full_state_dict_takes_keys_a_module_renames():
+    run_ranks(renamed_keys_run, 2)
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(TypeError, match="init must be a function of one module, got int"):
         zpp.shard(nn.Linear(2, 2), init=5)

@@ -153,7 +153,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in model.state_dict().items():
         if isinstance(value, DTensor):
-            value = value.full_tensor().reshape(shapes[key])
+            value = value.full_tensor().reshape(shapes.get(key, value.shape))
         out[key] = value
     return out
 
