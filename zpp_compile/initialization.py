@@ -270,7 +270,7 @@ def load_full_state_dict(
     if error:
         raise ValueError(f"load_full_state_dict: {error}")
     with torch.no_grad():
-        for (_, tensor, _), name in zip(targets, sources):
+        for (_, tensor), name in zip(targets, sources):
             if name is None or tensor.numel() == 0:
                 continue
             value = state_dict[name] if topology.rank == from_rank else None
@@ -282,26 +282,25 @@ def load_full_state_dict(
                 _broadcast_into(tensor, value, from_rank, topology)
 
 
-def _load_targets(model: nn.Module) -> list[tuple[list[str], torch.Tensor, torch.Size]]:
-    """Each distinct parameter and persistent buffer: (its names in a state dict, the tensor, its
-    unsharded shape). A tied tensor has several names."""
-    full_shapes = {id(module._parameters[name]): layout.shape for module in model.modules()
-                   for name, layout in getattr(module, "_zpp_layouts", {}).items()}
-    targets: dict[int, tuple[list[str], torch.Tensor, torch.Size]] = {}
+def _load_targets(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """Each distinct parameter and persistent buffer: (its names in a state dict, the tensor; a
+    shard is a DTensor of the unsharded shape). A tied tensor has several names."""
+    targets: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        entry = targets.setdefault(id(tensor), ([], tensor, full_shapes.get(id(tensor), tensor.shape)))
+        entry = targets.setdefault(id(tensor), ([], tensor))
         entry[0].append(name)
     return list(targets.values())
 
 
-def _plan(targets: list[tuple[list[str], torch.Tensor, torch.Size]], state_dict: Mapping[str, torch.Tensor] | None,
+def _plan(targets: list[tuple[list[str], torch.Tensor]], state_dict: Mapping[str, torch.Tensor] | None,
           strict: bool) -> tuple[str | None, list[str | None]]:
     """Which entry of `state_dict` each target is read from, or what is wrong with it."""
     if not isinstance(state_dict, Mapping):
         given = type(state_dict).__name__
         return f"rank {dist.get_rank()} (from_rank) must pass a mapping of names to tensors, got {given}", []
     sources, missing, wrong = [], [], []
-    for names, _, shape in targets:
+    for names, tensor in targets:
+        shape = tensor.shape
         name = next((n for n in names if n in state_dict), None)
         sources.append(name)
         value = None if name is None else state_dict[name]
@@ -310,7 +309,7 @@ def _plan(targets: list[tuple[list[str], torch.Tensor, torch.Size]], state_dict:
         elif not isinstance(value, torch.Tensor) or value.shape != shape:
             given = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             wrong.append(f"{name} (model {tuple(shape)}, given {given})")
-    known = {n for names, _, _ in targets for n in names}
+    known = {n for names, _ in targets for n in names}
     unexpected = [n for n in state_dict if n not in known]
     problems = [f"shapes differ: {listing(wrong)}"] if wrong else []
     if strict and missing:

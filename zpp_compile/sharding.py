@@ -145,17 +145,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         raise ValueError(f"full_state_dict needs a model sharded by zpp_compile.shard (or a module holding one, "
                          f"such as a PEFT wrapper around it), got {type(model).__name__}")
     check_same_call(state.topology, "zpp.full_state_dict")
-    shapes = {
-        f"{prefix}.{name}" if prefix else name: layout.shape
-        for prefix, module in model.named_modules(remove_duplicate=False)
-        for name, layout in getattr(module, "_zpp_layouts", {}).items()
-    }
-    out = {}
-    for key, value in model.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor().reshape(shapes.get(key, value.shape))
-        out[key] = value
-    return out
+    # A sharded parameter is a DTensor of its original shape, also under the keys a module's
+    # state-dict hook gives it (torchtitan's fused QKV projection saves wq/wk/wv).
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value
+            for key, value in model.state_dict().items()}
 
 
 def _leaf_modules(model: nn.Module, config: Config) -> list[nn.Module]:
