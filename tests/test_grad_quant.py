@@ -14,6 +14,7 @@ so ``|result - mean| <= (C * (sum_j s1_j + sum_m' s2_m') + F) / W + D``, where `
 float32 accumulations (``2**-20 * sum of q * scale``, loose) and ``D`` the final rounding to the
 output dtype (half an ulp: ``2**-8 |x|`` for bf16, ``2**-11 |x| + 2**-25`` for fp16).
 """
+import functools
 import math
 import os
 import struct
@@ -240,7 +241,7 @@ def kernel_outputs(request) -> dict[str, Any]:
     among the processes of the test ranks (`spread`); the tests compare them here."""
     items = [item for item in request.session.items
              if item.module is request.module and "launched" in item.fixturenames]
-    calls = [(_outputs, item.originalname, item.callspec.params) for item in items]
+    calls = [(functools.partial(OUTPUTS[item.originalname], **item.callspec.params),) for item in items]
     return {item.nodeid: outputs for item, outputs in zip(items, spread(calls))}
 
 
@@ -248,10 +249,6 @@ def kernel_outputs(request) -> dict[str, Any]:
 def launched(kernel_outputs, request) -> Any:
     """This test's outputs (see kernel_outputs)."""
     return kernel_outputs[request.node.nodeid]
-
-
-def _outputs(test_name: str, params: dict[str, Any]) -> Any:
-    return OUTPUTS[test_name](**params)
 
 
 def nasty(n: int, dtype, gen: torch.Generator) -> torch.Tensor:
