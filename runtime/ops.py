@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from . import grad_quant, weight_quant  # noqa: F401  (register the quantization ops)
 from .buckets import join_shards, member_starts, split_rows
 from .collectives import all_gather, all_to_all, all_to_all_between_nodes, reduce_scatter_sum
+from .registry import REGISTRY
 
 
 def gather_param(
@@ -280,22 +281,40 @@ class FromEveryReplica(torch.autograd.Function):
         return grad.reshape(1).expand(ctx.copies).contiguous()
 
 
-class AddPendingGrad(torch.autograd.Function):
-    """`weight` in forward; in backward `pending` (gradients kept while sync was off) is added to
-    its gradient before `zpp::reduce_grad` reduces it, so an accumulation window costs one reduction.
+class AddKeptGrad(torch.autograd.Function):
+    """`weight` in forward; in backward `zpp::add_kept_grad` adds to its gradient the gradient
+    kept on this rank while sync was off (the accumulator `key` names), before `zpp::reduce_grad`
+    reduces it, so that an accumulation window costs one reduction.
 
-    `pending` is held by ctx, not saved for backward: an activation-checkpointing recompute reads
-    the weight again without it (the first read took it), and would otherwise save one tensor
-    fewer than the forward did."""
+    The kept gradient is taken when the backward runs, not when the weight is read: a read whose
+    result the compute never uses (`module.weight.dtype`, as PEFT's LoRA layers do) has no backward
+    and so cannot lose it, and of several reads (a tied weight, a recompute) the first backward
+    takes it and the others find nothing, so it is added once."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        ctx.pending = pending
+    def forward(ctx, weight: torch.Tensor, key: int) -> torch.Tensor:
+        ctx.key = key
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad + ctx.pending.to(grad.dtype), None
+        return add_kept_grad(grad, ctx.key), None
+
+
+@torch.library.custom_op("zpp::add_kept_grad", mutates_args=())
+def add_kept_grad(grad: torch.Tensor, key: int) -> torch.Tensor:
+    """`grad` plus the gradient kept by accumulator `key`, which gives it up (`AddKeptGrad`).
+
+    An op of its own, opaque to the compilers, so that the taking runs as Python also inside a
+    compiled backward graph."""
+    accumulator = REGISTRY.accumulators.get(key)
+    kept = accumulator.take_pending() if accumulator is not None else None
+    return grad + kept.to(grad.dtype) if kept is not None else grad.clone()
+
+
+@add_kept_grad.register_fake
+def _(grad, key):
+    return torch.empty_like(grad)
 
 
 # One typed view of each collective op's arguments, read by name from the op's schema, so that

@@ -4,7 +4,8 @@ It remembers what outlives a single call: the process groups built for each topo
 them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
 what settings, the module classes that gather their parameters, and the collectives each compiled
 graph issues (the communication ledger), the parameter gathers of compiled graphs that every rank
-agreed on (runtime.agreement), the shards still waiting for their initial values, the thread that
+agreed on (runtime.agreement), the shards still waiting for their initial values, the gradients
+kept on this rank while gradient sync is off (found by key from inside compiled backward graphs), the thread that
 watches Config.cuda_graphs' calls, and the passes' traced helper functions (reused by every
 identical layer).
 """
@@ -50,6 +51,9 @@ class Registry:
     # Shards and buffers allocated but not yet given values (NaN until then), by tensor -> state:
     # what to_empty() after shard left, or meta modules shard() had no init for.
     unset: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    # zpp_compile.grad_sync.GradAccumulator by key: what `zpp::add_kept_grad` takes the kept gradient from.
+    accumulators: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    accumulator_keys: itertools.count = field(default_factory=itertools.count)
 
     def add_state(self, state: ShardingState) -> int:
         """Registers the state of one `shard` call; returns its sharding id."""

@@ -1,6 +1,7 @@
 """Parameters read more than once per forward (a module applied twice, ALBERT's shared layers, tied
-weights): gradient accumulation without sync adds the kept gradient once, whatever the number of
-reads, eagerly and compiled; and a compiled step gathers and reduces each parameter once."""
+weights, a read for the dtype alone): gradient accumulation without sync adds the kept gradient
+once, whatever the number of reads, eagerly and compiled; and a compiled step gathers and reduces
+each parameter once."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ class AppliedTwice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(torch.tanh(self.linear(x))).square().mean()
+
+
+class ReadsDtypeFirst(AppliedTwice):
+    """PEFT's LoRA layer pattern: the weight is read for its dtype alone, then for the compute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(self.linear.weight.dtype)).square().mean()
 
 
 def shard_copy(reference: nn.Module, make: type, *args) -> nn.Module:
@@ -84,16 +92,16 @@ def compiled(model: nn.Module, mode: str):
     return torch.compile(model, backend="zeropp", options={"inductor": False})
 
 
-def applied_twice_run(rank: int, world_size: int) -> None:
+def applied_twice_run(rank: int, world_size: int, make: type) -> None:
     """Windows of 3 and 2 micro-batches (sync on the last), the last one split over two forwards,
     against the unsharded model accumulating the same global micro-batches."""
     generator = torch.Generator().manual_seed(0)
     windows = [[{"x": torch.randn(PER_RANK * world_size, 6, generator=generator)} for _ in range(n)] for n in (3, 2)]
     torch.manual_seed(0)
-    reference = AppliedTwice().to(device())
+    reference = make().to(device())
     expected = accumulate(reference, reference, windows, slice(None), split_last=False)
     for mode in ("eager", "aot"):
-        model = shard_copy(reference, AppliedTwice)
+        model = shard_copy(reference, make)
         step_fn = compiled(model, mode)
         for split_last in (False, True):
             got = accumulate(model, step_fn, windows, slice(rank * PER_RANK, (rank + 1) * PER_RANK), split_last)
@@ -101,7 +109,11 @@ def applied_twice_run(rank: int, world_size: int) -> None:
 
 
 def test_a_module_applied_twice_accumulates_its_kept_gradient_once():
-    run_ranks(applied_twice_run, 2)
+    run_ranks(applied_twice_run, 2, AppliedTwice)
+
+
+def test_a_read_for_the_dtype_alone_does_not_lose_the_kept_gradient():
+    run_ranks(applied_twice_run, 2, ReadsDtypeFirst)
 
 
 class SharedBlock(TinyTransformer):

@@ -3,16 +3,14 @@
 With sync off, every use of a trainable parameter gathers from a detached shard and routes the
 weight through `KeepGradLocal`: backward holds no `zpp::reduce_grad`, and autograd accumulates
 the full, unreduced gradient of each micro-step in a per-parameter sink (in `reduce_dtype`).
-With sync back on, the first read of the parameter under grad mode takes the kept gradient and
-routes its weight through `AddPendingGrad`: that backward adds the kept gradient to its own and
-reduces once. Taking it empties the accumulator, so every later read (the same module applied
-again, a layer shared by several blocks, a weight tied across modules, a second forward before
-the backward) gathers plainly, and the kept gradient is added exactly once however often the
-weight is read. Which of these a module's attribute read does is decided when it is traced:
-Dynamo guards on the flag and on whether a kept gradient waits, traces each read on its own, and
-replays the emptying after the graph, so a compiled step takes the kept gradient once as well
-(inside a torch.utils.checkpoint region Dynamo cannot replay it, and breaks the graph there for
-that one step). The forward that takes the kept gradient must be the one backpropagated.
+With sync back on, while a kept gradient waits, every read of the parameter under grad mode
+routes its weight through `AddKeptGrad`: the first of those backwards to run takes the kept
+gradient (`zpp::add_kept_grad`), adds it to its own and reduces once; any other (the same module
+applied again, a layer shared by several blocks, a weight tied across modules, a recompute) finds
+none. Taking it in backward, not at the read, matters: a read whose result the compute never
+uses (PEFT's LoRA layers read `lora_A.weight.dtype` before the weight itself) has no backward, so
+the kept gradient cannot be lost with it. Which of these a module's attribute read does is
+decided when it is traced: Dynamo guards on the flag and on whether a kept gradient waits.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .runtime.agreement import check_same_eager_gather
-from .runtime.ops import AddPendingGrad, FromEveryReplica, KeepGradLocal
+from .runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal
 from .runtime.registry import REGISTRY
 
 
@@ -43,7 +41,9 @@ class GradAccumulator:
         self.sync = True
         # A leaf only for autograd to accumulate into: stride 0, so it allocates one element.
         self.sink = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=param.device, requires_grad=True)
-        self.pending: torch.Tensor | None = None  # kept gradients the next synced forward takes
+        self.pending: torch.Tensor | None = None  # kept gradients the next synced backward takes
+        self.key = next(REGISTRY.accumulator_keys)
+        REGISTRY.accumulators[self.key] = self
 
     def set_sync(self, sync: bool) -> None:
         kept, self.sink.grad = self.sink.grad, None
@@ -54,7 +54,7 @@ class GradAccumulator:
         self.sync = sync
 
     def take_pending(self) -> torch.Tensor | None:
-        """The kept gradients, for the backward of the forward reading the weight now; this
+        """The kept gradients, for the backward running now (`zpp::add_kept_grad`); this
         accumulator holds none afterwards, so they are added once."""
         pending, self.pending = self.pending, None
         return pending
@@ -95,7 +95,7 @@ def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> tor
     if not accumulator.sync:
         return KeepGradLocal.apply(weight, accumulator.sink)
     if accumulator.pending is not None and torch.is_grad_enabled():
-        return AddPendingGrad.apply(weight, accumulator.take_pending())
+        return AddKeptGrad.apply(weight, accumulator.key)
     return weight
 
 
