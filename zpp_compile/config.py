@@ -217,7 +217,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Config:
-        """Builds a Config from our key names or DeepSpeed's ZeRO++ names (not both for one knob)."""
+        """Builds a Config from our key names or DeepSpeed's ZeRO++ names (not both for one knob), or
+        from a whole DeepSpeed config (one with a `zero_optimization` section; `deepspeed_json`)."""
+        from .deepspeed_json import from_deepspeed, is_deepspeed_config  # here: it builds on this module
+
+        if is_deepspeed_config(values):
+            return from_deepspeed(values)
         return cls(**_our_names(values))
 
     @classmethod
@@ -234,7 +239,7 @@ class Config:
 
     @classmethod
     def load(cls, value: Config | Mapping[str, Any] | str | Path | None) -> Config:
-        """Accepts a Config, a dict, a JSON file path, or None (defaults)."""
+        """Accepts a Config, a dict, a JSON file path (ours or DeepSpeed's), or None (defaults)."""
         if value is None:
             return cls()
         if isinstance(value, Config):

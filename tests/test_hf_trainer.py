@@ -1,0 +1,223 @@
+"""HF Trainer with zeropp (`zpp_compile.integrations.transformers`) against the same Trainer run
+unsharded in one process: losses, gradient norms and parameters through gradient accumulation,
+clipping and a cosine schedule; checkpoints resumed in fresh processes, also at another world
+size; `save_model` output loaded by `from_pretrained`; a DeepSpeed JSON config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import zpp_compile as zpp
+from zpp_compile.config import ConfigError
+from zpp_compile.integrations.transformers import ZeroppTrainer, ZeroppTrainerMixin, trainer_config
+from distributed import run_ranks
+from training import needs_4_ranks, relative_error
+
+VOCAB, SEQ, SAMPLES, STEPS, SAVE_AT = 61, 16, 48, 6, 3
+GLOBAL_BATCH = 4  # samples per micro-batch over all ranks; 2 micro-batches per step
+# Parameters after AdamW steps, against the reference: Adam divides each gradient by its running
+# scale, so an element whose gradients are tiny carries their fp32 rounding into its update at up
+# to about lr x 1e-4 (2e-6 here) per step.
+ADAM_FP32 = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in tokens]
+
+
+def arguments(output_dir: str, world_size: int, **overrides) -> transformers.TrainingArguments:
+    values = dict(
+        output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // world_size, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=2e-2, lr_scheduler_type="cosine", max_grad_norm=0.5, logging_steps=1,
+        save_strategy="steps", save_steps=SAVE_AT, eval_strategy="steps", eval_steps=SAVE_AT,
+        per_device_eval_batch_size=GLOBAL_BATCH // world_size, report_to="none", use_cpu=True, seed=0,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    return transformers.TrainingArguments(**{**values, **overrides})
+
+
+def history(trainer: transformers.Trainer) -> list[tuple[float, float]]:
+    """(loss, grad_norm) of every logged step, then the evaluation losses."""
+    log = trainer.state.log_history
+    return ([(entry["loss"], entry["grad_norm"]) for entry in log if "loss" in entry]
+            + [(entry["eval_loss"], 0.0) for entry in log if "eval_loss" in entry])
+
+
+def reference_run(rank: int, world_size: int, output_dir: str) -> dict:
+    trainer = transformers.Trainer(model=tiny_llama(), args=arguments(output_dir, 1), train_dataset=dataset(),
+                                   eval_dataset=dataset()[:8])
+    trainer.train()
+    return {"history": history(trainer), "state": {k: v.clone() for k, v in trainer.model.state_dict().items()}}
+
+
+def zeropp_run(rank: int, world_size: int, output_dir: str, resume: str | None = None) -> dict:
+    trainer = ZeroppTrainer(model=tiny_llama(), args=arguments(output_dir, world_size), train_dataset=dataset(),
+                            eval_dataset=dataset()[:8], zeropp={"inductor": False})
+    trainer.train(resume_from_checkpoint=resume)
+    state = zpp.full_state_dict(trainer.model)
+    trainer.save_model(f"{output_dir}/final")
+    return {"history": history(trainer), "state": state}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_trainer")
+    reference = run_ranks(reference_run, 1, str(root / "reference"))[0]
+    straight = run_ranks(zeropp_run, 2, str(root / "straight"))[0]
+    return root, reference, straight
+
+
+def assert_same_state(actual: dict, expected: dict, **tolerance) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, **tolerance, msg=lambda m: f"{key}: {m}")
+
+
+def test_trainer_matches_the_unsharded_trainer(runs):
+    """Gradient accumulation 2, clipping (the norm is the global one: it is logged, and it clips),
+    a cosine schedule, 6 steps: the logged losses and gradient norms, the evaluation losses after
+    steps 3 and 6, and the parameters."""
+    _, reference, straight = runs
+    assert len(straight["history"]) == STEPS + 2
+    assert max(norm for _, norm in reference["history"]) > 0.5  # clipping acts
+    torch.testing.assert_close(straight["history"], reference["history"], rtol=1e-5, atol=1e-6)
+    assert_same_state(straight["state"], reference["state"], **ADAM_FP32)
+
+
+def test_save_model_output_loads_with_from_pretrained(runs):
+    root, reference, _ = runs
+    loaded = transformers.LlamaForCausalLM.from_pretrained(root / "straight" / "final")
+    model = tiny_llama()
+    model.load_state_dict(reference["state"])
+    tokens = torch.stack([sample["input_ids"] for sample in dataset()[:4]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_in_fresh_processes_same_and_other_world_size(runs):
+    """The step-3 checkpoint of the 2-rank run, resumed by new processes: at 2 ranks the run ends
+    bit-identical to the uninterrupted one; at 1 rank (the shards resharded) it ends as the
+    unsharded reference does, within fp32 tolerance."""
+    root, reference, straight = runs
+    checkpoint = str(root / "straight" / f"checkpoint-{SAVE_AT}")
+    same = run_ranks(zeropp_run, 2, str(root / "resumed2"), checkpoint, fresh=True)[0]
+    assert same["history"] == straight["history"]  # steps 1-3 and the first evaluation from the checkpoint
+    assert_same_state(same["state"], straight["state"], rtol=0, atol=0)
+    other = run_ranks(zeropp_run, 1, str(root / "resumed1"), checkpoint, fresh=True)[0]
+    torch.testing.assert_close(other["history"], reference["history"], rtol=1e-5, atol=1e-6)
+    assert_same_state(other["state"], reference["state"], **ADAM_FP32)
+
+
+ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 2, "quantized_gradients": True,
+             "gradient_block_size": 32, "ranks_per_node": 2, "inductor": False}
+
+
+def sgd_run(rank: int, world_size: int, output_dir: str, zeropp: dict | None) -> dict:
+    """SGD, whose steps scale with the gradient (Adam's would hide a wrongly scaled one): the
+    unsharded Trainer (`zeropp=None`) or ZeroppTrainer with `zeropp`."""
+    args = arguments(output_dir, world_size, optim="sgd", learning_rate=0.5, save_strategy="no", eval_strategy="no")
+    kwargs = dict(model=tiny_llama(), args=args, train_dataset=dataset())
+    trainer = transformers.Trainer(**kwargs) if zeropp is None else ZeroppTrainer(**kwargs, zeropp=zeropp)
+    trainer.train()
+    state = zpp.full_state_dict(trainer.model) if zeropp is not None else trainer.model.state_dict()
+    return {"history": history(trainer), "state": {k: v.clone() for k, v in state.items()}}
+
+
+@needs_4_ranks
+def test_trainer_with_qwz_hpz_qgz_on_two_nodes_stays_near_the_reference(tmp_path):
+    """4 ranks as 2 nodes x 2, all three techniques: the parameters' updates within the bound the
+    qgZ tests hold (INT4 between nodes: relative error of each update under 0.2; a misplaced
+    shard or a wrong scale gives about 1), the losses within 1%."""
+    reference = run_ranks(sgd_run, 1, str(tmp_path / "reference"), None)[0]
+    quantized = run_ranks(sgd_run, 4, str(tmp_path / "all3"), ALL_THREE)[0]
+    initial = tiny_llama().state_dict()
+    errors = {key: relative_error(quantized["state"][key] - initial[key], value - initial[key])
+              for key, value in reference["state"].items()}
+    assert max(errors.values()) < 0.2, errors
+    torch.testing.assert_close([loss for loss, _ in quantized["history"]],
+                               [loss for loss, _ in reference["history"]], rtol=1e-2, atol=0)
+
+
+def test_deepspeed_json_configures_zeropp(tmp_path):
+    """A DeepSpeed ZeRO++ config: its zero_optimization keys map over, "auto" and matching training
+    settings pass, keys with no meaning here are named in one warning, other stages are errors."""
+    args = arguments(str(tmp_path), 2, bf16=False)
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+        "bf16": {"enabled": "auto"}, "steps_per_print": 10,
+        "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                              "zero_quantized_gradients": True, "overlap_comm": True,
+                              "offload_param": {"device": "none"}},
+    }
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    with pytest.warns(UserWarning, match=r"no use for zero_optimization\.offload_param, steps_per_print;"):
+        config = trainer_config(str(path), args)
+    assert (config.quantized_weights, config.hpz_partition_size, config.quantized_gradients) == (True, 2, True)
+    assert config.param_dtype is None
+    with pytest.warns(UserWarning):
+        assert trainer_config(ds, arguments(str(tmp_path), 2, bf16=True)).param_dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=2, but TrainingArguments give "
+                                          r"gradient_accumulation_steps = 4"):
+        trainer_config(ds, arguments(str(tmp_path), 2, gradient_accumulation_steps=4))
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=2; zeropp is ZeRO stage 3"):
+        trainer_config({"zero_optimization": {"stage": 2}}, args)
+    # The same file configures a hand-written loop too (the training keys then have no meaning).
+    with pytest.warns(UserWarning, match="gradient_accumulation_steps, gradient_clipping"):
+        assert zpp.Config.load(str(path)).quantized_gradients
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary (no download): SFTTrainer needs one with a pad token."""
+    import tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<pad>": VOCAB - 2, "</s>": VOCAB - 1}
+    model = tokenizers.models.WordLevel(vocab, unk_token="<pad>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(model), pad_token="<pad>",
+                                                eos_token="</s>")
+
+
+def sft_run(rank: int, world_size: int, output_dir: str, sharded: bool) -> dict:
+    """TRL's SFTTrainer with a LoRA config: SFTTrainer adds the adapters, then the mixin shards."""
+    import datasets
+    import peft
+    import trl
+
+    class ZeroppSFTTrainer(ZeroppTrainerMixin, trl.SFTTrainer):
+        pass
+
+    rows = torch.stack([sample["input_ids"] for sample in dataset()]) % (VOCAB - 2)
+    data = datasets.Dataset.from_dict({"input_ids": rows.tolist()})
+    args = trl.SFTConfig(**arguments(output_dir, world_size, save_strategy="no", eval_strategy="no").to_dict() | dict(
+        max_length=SEQ + 1, packing=False, bf16=False, dataset_num_proc=None))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    kwargs = dict(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=lora)
+    trainer = ZeroppSFTTrainer(**kwargs, zeropp={"inductor": False}) if sharded else trl.SFTTrainer(**kwargs)
+    trainer.train()
+    state = zpp.full_state_dict(trainer.model) if sharded else trainer.model.state_dict()
+    return {"history": history(trainer), "lora": {k: v.clone() for k, v in state.items() if "lora_" in k},
+            "frozen": {k: v.clone() for k, v in state.items() if k.endswith("q_proj.base_layer.weight")}}
+
+
+def test_trl_sft_trainer_trains_lora_adapters_as_the_reference(tmp_path):
+    reference = run_ranks(sft_run, 1, str(tmp_path / "reference"), False)[0]
+    sharded = run_ranks(sft_run, 2, str(tmp_path / "sharded"), True)[0]
+    assert len(sharded["history"]) == STEPS and len(reference["lora"]) == 8
+    torch.testing.assert_close(sharded["history"], reference["history"], rtol=1e-5, atol=1e-6)
+    assert_same_state(sharded["lora"], reference["lora"], **ADAM_FP32)
+    assert_same_state(sharded["frozen"], reference["frozen"], rtol=0, atol=0)
