@@ -283,37 +283,46 @@ class FromEveryReplica(torch.autograd.Function):
 
 class AddKeptGrad(torch.autograd.Function):
     """`weight` in forward; in backward `zpp::add_kept_grad` adds to its gradient the gradient
-    kept on this rank while sync was off (the accumulator `key` names), before `zpp::reduce_grad`
-    reduces it, so that an accumulation window costs one reduction.
+    kept on this rank while sync was off (by the accumulator `token` names), before
+    `zpp::reduce_grad` reduces it, so that an accumulation window costs one reduction.
 
     The kept gradient is taken when the backward runs, not when the weight is read: a read whose
     result the compute never uses (`module.weight.dtype`, as PEFT's LoRA layers do) has no backward
     and so cannot lose it, and of several reads (a tied weight, a recompute) the first backward
-    takes it and the others find nothing, so it is added once."""
+    takes it and the others find nothing, so it is added once. `token` is held by ctx, not saved
+    for backward, as a recompute's read would otherwise save one tensor more than the forward did."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, key: int) -> torch.Tensor:
-        ctx.key = key
+    def forward(ctx, weight: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        ctx.token = token
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return add_kept_grad(grad, ctx.key), None
+        return add_kept_grad(grad, ctx.token), None
 
 
-@torch.library.custom_op("zpp::add_kept_grad", mutates_args=())
-def add_kept_grad(grad: torch.Tensor, key: int) -> torch.Tensor:
-    """`grad` plus the gradient kept by accumulator `key`, which gives it up (`AddKeptGrad`).
+# Its result depends on Python state, not only on its inputs: a CUDA graph replaying it would
+# replay the first call's gradient.
+_NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("zpp::add_kept_grad", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
+def add_kept_grad(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """`grad` plus the gradient kept by the accumulator whose key `token` (a CPU integer) holds,
+    which gives it up (`AddKeptGrad`).
 
     An op of its own, opaque to the compilers, so that the taking runs as Python also inside a
-    compiled backward graph."""
-    accumulator = REGISTRY.accumulators.get(key)
+    compiled backward graph. The key travels as a tensor, an input of the graph, not as a constant
+    in it: a layer compiled once (Config.compile_layers_once) reuses its trace for every identical
+    layer, each with its own accumulators. Being on the CPU also keeps CUDA graphs off the graph."""
+    accumulator = REGISTRY.accumulators.get(int(token))
     kept = accumulator.take_pending() if accumulator is not None else None
     return grad + kept.to(grad.dtype) if kept is not None else grad.clone()
 
 
 @add_kept_grad.register_fake
-def _(grad, key):
+def _(grad, token):
     return torch.empty_like(grad)
 
 

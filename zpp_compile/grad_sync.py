@@ -42,8 +42,9 @@ class GradAccumulator:
         # A leaf only for autograd to accumulate into: stride 0, so it allocates one element.
         self.sink = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=param.device, requires_grad=True)
         self.pending: torch.Tensor | None = None  # kept gradients the next synced backward takes
-        self.key = next(REGISTRY.accumulator_keys)
-        REGISTRY.accumulators[self.key] = self
+        key = next(REGISTRY.accumulator_keys)
+        REGISTRY.accumulators[key] = self
+        self.token = torch.tensor(key)  # what `zpp::add_kept_grad` finds this accumulator by
 
     def set_sync(self, sync: bool) -> None:
         kept, self.sink.grad = self.sink.grad, None
@@ -95,7 +96,7 @@ def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> tor
     if not accumulator.sync:
         return KeepGradLocal.apply(weight, accumulator.sink)
     if accumulator.pending is not None and torch.is_grad_enabled():
-        return AddKeptGrad.apply(weight, accumulator.key)
+        return AddKeptGrad.apply(weight, accumulator.token)
     return weight
 
 
