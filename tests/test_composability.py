@@ -1,8 +1,9 @@
 """zeropp with what training code around it does: gradient accumulation without sync, activation
-checkpointing, changing sequence lengths, and a HuggingFace causal LM.
+checkpointing, changing sequence lengths, bf16 conversion after sharding.
 
 Covered elsewhere: graph breaks, tied and frozen parameters (test_zero3), no_grad evaluation and
-accumulation with a sync every micro-step (test_hpz).
+accumulation with a sync every micro-step (test_hpz), a HuggingFace causal LM trained by HF's
+Trainer (test_hf_trainer).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import transformers
 
 import zpp_compile as zpp
 from distributed import device, in_turn, optimizer_steps, run_ranks
@@ -181,44 +181,3 @@ def bfloat16_after_shard_run(rank: int, world_size: int) -> None:
 
 def test_bfloat16_conversion_after_shard_matches_reference(results):
     """bfloat16_after_shard_run compares with the reference on each rank, in `results`."""
-
-
-def causal_lm_run(rank: int, world_size: int) -> list[float]:
-    config = transformers.LlamaConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
-    )
-    batch = batches(1, world_size, PER_RANK, vocab=61)[0][0]
-    data = [(batch, batch)] * 2  # the same batch twice: the loss must drop
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-
-    def run(model: nn.Module, step_fn, rows: slice) -> list[float]:
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses = []
-        for tokens, labels in data:
-            loss = step_fn(input_ids=tokens[rows].to(device()), labels=labels[rows].to(device())).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        return losses
-
-    torch.manual_seed(0)
-    model = zpp.shard(transformers.LlamaForCausalLM(config).to(device()))
-    losses = run(model, torch.compile(model, backend="zeropp", options={"inductor": False}), mine)
-    full = zpp.full_state_dict(model)
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).to(device())
-    expected = run(reference, reference, slice(None))
-    # Each rank's loss is the mean over its tokens (equal counts), so the ranks' mean is the global one.
-    mean = torch.stack(losses)
-    torch.distributed.all_reduce(mean)
-    torch.testing.assert_close(mean / world_size, torch.stack(expected), rtol=1e-5, atol=0)
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
-    return [float(loss) for loss in expected]
-
-
-def test_huggingface_llama_matches_reference():
-    losses = run_ranks(causal_lm_run, 2)[0]
-    assert losses[1] < losses[0]  # it trains
