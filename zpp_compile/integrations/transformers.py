@@ -64,7 +64,12 @@ class ZeroppTrainerMixin:
                 f"{type(self).__name__}: TrainingArguments turn on {other}, which shards the model too; drop "
                 "`deepspeed=`/`fsdp=` from TrainingArguments and pass the config as zeropp=... instead"
             )
-        if self.model in REGISTRY.models:
+        if self.model_init is not None:
+            raise ConfigError(
+                f"{type(self).__name__}: model_init builds a new model in every train() call, which would train "
+                "unsharded next to the sharded one; pass model=... (built, or loaded with from_pretrained) instead"
+            )
+        if REGISTRY.state_of(self.model) is not None:
             if zeropp is not None:
                 raise ConfigError(f"{type(self).__name__}: the model is already sharded by zpp.shard; pass no "
                                   "zeropp=... config (the one it was sharded with holds)")
@@ -87,8 +92,8 @@ class ZeroppTrainerMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # The Trainer's NaN/Inf filter of logged losses asks the host whether each micro-batch's
         # loss is finite, which waits for the GPU every micro-batch: the host then starts each
-        # forward's launches with the GPU idle (7% of the step at Llama-1B shape, 2 GPUs).
-        # `training_step` applies the same filter on the GPU instead.
+        # forward's launches with the GPU idle (measured in PERFORMANCE.md). `training_step`
+        # applies the same filter on the GPU instead.
         self._zeropp_filters_losses, self.args.logging_nan_inf_filter = self.args.logging_nan_inf_filter, False
         try:
             return super().train(*args, **kwargs)
@@ -141,15 +146,23 @@ class ZeroppTrainer(ZeroppTrainerMixin, transformers.Trainer):
 def trainer_config(value: Config | Mapping[str, Any] | str | os.PathLike | None,
                    args: transformers.TrainingArguments) -> Config:
     """The Config `value` gives; a DeepSpeed config's training settings must agree with `args`."""
-    if isinstance(value, (str, os.PathLike)) and Path(value).suffix == ".json" and Path(value).is_file():
-        values = json.loads(Path(value).read_text())
-        if is_deepspeed_config(values):
-            value = values
+    if isinstance(value, (str, os.PathLike)):
+        value = _json_object(Path(value))
     if not is_deepspeed_config(value):
         return Config.load(value)
     _check_training_settings(training_settings(value), args)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     return from_deepspeed(value, precision=precision, loop_checked=True)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(values).__name__}")
+    return values
 
 
 def _check_training_settings(settings: dict[str, Any], args: transformers.TrainingArguments) -> None:
