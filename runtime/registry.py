@@ -4,10 +4,10 @@ It remembers what outlives a single call: the process groups built for each topo
 them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
 what settings, the module classes that gather their parameters, and the collectives each compiled
 graph issues (the communication ledger), the parameter gathers of compiled graphs that every rank
-agreed on (runtime.agreement), the shards still waiting for their initial values, the gradients
-kept on this rank while gradient sync is off (found by key from inside compiled backward graphs), the thread that
-watches Config.cuda_graphs' calls, and the passes' traced helper functions (reused by every
-identical layer).
+agreed on (runtime.agreement), the shards still waiting for their initial values, the
+accumulators of gradients kept while gradient sync is off (found by key from inside compiled
+backward graphs), the thread that watches Config.cuda_graphs' calls, and the passes' traced helper
+functions (reused by every identical layer).
 """
 
 from __future__ import annotations
