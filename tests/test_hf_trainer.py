@@ -62,27 +62,29 @@ def history(trainer: transformers.Trainer) -> list[tuple[float, float]]:
             + [(entry["eval_loss"], 0.0) for entry in log if "eval_loss" in entry])
 
 
-def reference_run(rank: int, world_size: int, output_dir: str) -> dict:
-    trainer = transformers.Trainer(model=tiny_llama(), args=arguments(output_dir, 1), train_dataset=dataset(),
-                                   eval_dataset=dataset()[:8])
-    trainer.train()
-    return {"history": history(trainer), "state": {k: v.clone() for k, v in trainer.model.state_dict().items()}}
+DEBUG_MODE = {"inductor": False}
 
 
-def zeropp_run(rank: int, world_size: int, output_dir: str, resume: str | None = None) -> dict:
-    trainer = ZeroppTrainer(model=tiny_llama(), args=arguments(output_dir, world_size), train_dataset=dataset(),
-                            eval_dataset=dataset()[:8], zeropp={"inductor": False})
+def trainer_run(rank: int, world_size: int, output_dir: str, zeropp: dict | None, resume: str | None = None,
+                overrides: dict | None = None) -> dict:
+    """The unsharded Trainer (`zeropp=None`, one rank) or ZeroppTrainer with `zeropp`: its logged
+    history and final parameters; ZeroppTrainer's model is also saved to `output_dir`/final."""
+    args = arguments(output_dir, world_size, **(overrides or {}))
+    kwargs = dict(model=tiny_llama(), args=args, train_dataset=dataset(),
+                  eval_dataset=dataset()[:8] if args.eval_strategy != "no" else None)
+    trainer = transformers.Trainer(**kwargs) if zeropp is None else ZeroppTrainer(**kwargs, zeropp=zeropp)
     trainer.train(resume_from_checkpoint=resume)
-    state = zpp.full_state_dict(trainer.model)
-    trainer.save_model(f"{output_dir}/final")
-    return {"history": history(trainer), "state": state}
+    state = trainer.model.state_dict() if zeropp is None else zpp.full_state_dict(trainer.model)
+    if zeropp is not None:
+        trainer.save_model(f"{output_dir}/final")
+    return {"history": history(trainer), "state": {k: v.clone() for k, v in state.items()}}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_trainer")
-    reference = run_ranks(reference_run, 1, str(root / "reference"))[0]
-    straight = run_ranks(zeropp_run, 2, str(root / "straight"))[0]
+    reference = run_ranks(trainer_run, 1, str(root / "reference"), None)[0]
+    straight = run_ranks(trainer_run, 2, str(root / "straight"), DEBUG_MODE)[0]
     return root, reference, straight
 
 
@@ -119,28 +121,20 @@ def test_resume_in_fresh_processes_same_and_other_world_size(runs):
     unsharded reference does, within fp32 tolerance."""
     root, reference, straight = runs
     checkpoint = str(root / "straight" / f"checkpoint-{SAVE_AT}")
-    same = run_ranks(zeropp_run, 2, str(root / "resumed2"), checkpoint, fresh=True)[0]
+    same = run_ranks(trainer_run, 2, str(root / "resumed2"), DEBUG_MODE, checkpoint, fresh=True)[0]
     assert same["history"] == straight["history"]  # steps 1-3 and the first evaluation from the checkpoint
     assert_same_state(same["state"], straight["state"], rtol=0, atol=0)
-    other = run_ranks(zeropp_run, 1, str(root / "resumed1"), checkpoint, fresh=True)[0]
+    other = run_ranks(trainer_run, 1, str(root / "resumed1"), DEBUG_MODE, checkpoint, fresh=True)[0]
     torch.testing.assert_close(other["history"], reference["history"], **LOGGED_FP32)
     assert_same_state(other["state"], reference["state"], **ADAM_FP32)
 
 
 ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 2, "quantized_gradients": True,
-             "gradient_block_size": 32, "ranks_per_node": 2, "inductor": False}
+             "gradient_block_size": 32, "ranks_per_node": 2, **DEBUG_MODE}
 
 
-def sgd_run(rank: int, world_size: int, output_dir: str, zeropp: dict | None) -> dict:
-    """SGD, whose steps scale with the gradient (Adam's would hide a wrongly scaled one): the
-    unsharded Trainer (`zeropp=None`) or ZeroppTrainer with `zeropp`."""
-    args = arguments(output_dir, world_size, optim="sgd", learning_rate=0.5, save_strategy="no", eval_strategy="no",
-                     max_steps=SAVE_AT)
-    kwargs = dict(model=tiny_llama(), args=args, train_dataset=dataset())
-    trainer = transformers.Trainer(**kwargs) if zeropp is None else ZeroppTrainer(**kwargs, zeropp=zeropp)
-    trainer.train()
-    state = zpp.full_state_dict(trainer.model) if zeropp is not None else trainer.model.state_dict()
-    return {"history": history(trainer), "state": {k: v.clone() for k, v in state.items()}}
+# SGD, whose steps scale with the gradient (Adam's would hide a wrongly scaled one).
+SGD_STEPS = dict(optim="sgd", learning_rate=0.5, save_strategy="no", eval_strategy="no", max_steps=SAVE_AT)
 
 
 @needs_4_ranks
@@ -148,8 +142,8 @@ def test_trainer_with_qwz_hpz_qgz_on_two_nodes_stays_near_the_reference(tmp_path
     """4 ranks as 2 nodes x 2, all three techniques: the parameters' updates within the bound the
     qgZ tests hold (INT4 between nodes: relative error of each update under 0.2; a misplaced
     shard or a wrong scale gives about 1), the losses within 1%."""
-    reference = run_ranks(sgd_run, 1, str(tmp_path / "reference"), None)[0]
-    quantized = run_ranks(sgd_run, 4, str(tmp_path / "all3"), ALL_THREE)[0]
+    reference = run_ranks(trainer_run, 1, str(tmp_path / "reference"), None, None, SGD_STEPS)[0]
+    quantized = run_ranks(trainer_run, 4, str(tmp_path / "all3"), ALL_THREE, None, SGD_STEPS)[0]
     initial = tiny_llama().state_dict()
     errors = {key: relative_error(quantized["state"][key] - initial[key], value - initial[key])
               for key, value in reference["state"].items()}
@@ -212,7 +206,7 @@ def sft_run(rank: int, world_size: int, output_dir: str, sharded: bool) -> dict:
         max_length=SEQ + 1, packing=False, bf16=False, dataset_num_proc=None))
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     kwargs = dict(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=lora)
-    trainer = ZeroppSFTTrainer(**kwargs, zeropp={"inductor": False}) if sharded else trl.SFTTrainer(**kwargs)
+    trainer = ZeroppSFTTrainer(**kwargs, zeropp=DEBUG_MODE) if sharded else trl.SFTTrainer(**kwargs)
     trainer.train()
     state = zpp.full_state_dict(trainer.model) if sharded else trainer.model.state_dict()
     return {"history": history(trainer), "lora": {k: v.clone() for k, v in state.items() if "lora_" in k},

@@ -227,15 +227,7 @@ class Config:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Config:
-        try:
-            values = json.loads(Path(path).read_text())
-        except UnicodeDecodeError as error:
-            raise ConfigError(f"config file {str(path)!r} is not a JSON text file ({error})") from None
-        except (OSError, ValueError) as error:  # json.JSONDecodeError is a ValueError
-            raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(values).__name__}")
-        return cls.from_dict(values)
+        return cls.from_dict(read_json_object(path))
 
     @classmethod
     def load(cls, value: Config | Mapping[str, Any] | str | Path | None) -> Config:
@@ -325,6 +317,19 @@ class Config:
                 f"{ranks_per_node} ranks of a node: backward weight gathers will cross nodes",
                 stacklevel=3,
             )
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """The JSON object in the file `path` (a config, ours or DeepSpeed's); ConfigError if it is not one."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {str(path)!r} is not a JSON text file ({error})") from None
+    except (OSError, ValueError) as error:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(values).__name__}")
+    return values
 
 
 def _inductor_options(value: Any) -> tuple[tuple[str, Any], ...]:

@@ -31,7 +31,6 @@ settings ("auto", or equal to the TrainingArguments') are checked against the Tr
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -42,7 +41,7 @@ from torch import nn
 
 import zpp_compile as zpp
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, read_json_object
 from ..deepspeed_json import from_deepspeed, is_deepspeed_config, training_settings
 from ..runtime.registry import REGISTRY
 
@@ -83,6 +82,7 @@ class ZeroppTrainerMixin:
             zpp.shard(self.model, trainer_config(zeropp, self.args))
         self.model_wrapped = self.model
         self._zeropp_compiled: nn.Module | None = None
+        self._zeropp_filters_losses = False  # set by train(): training_step then filters the logged losses
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if self._zeropp_compiled is None:
@@ -105,7 +105,7 @@ class ZeroppTrainerMixin:
                 or self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
         with contextlib.nullcontext() if sync else zpp.no_sync(self.model):
             loss = super().training_step(model, inputs, num_items_in_batch)
-        if not getattr(self, "_zeropp_filters_losses", False):
+        if not self._zeropp_filters_losses:
             return loss
         # What the Trainer's filter adds for a NaN or Inf loss: the mean of the losses since the last log.
         since_logged = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
@@ -147,22 +147,12 @@ def trainer_config(value: Config | Mapping[str, Any] | str | os.PathLike | None,
                    args: transformers.TrainingArguments) -> Config:
     """The Config `value` gives; a DeepSpeed config's training settings must agree with `args`."""
     if isinstance(value, (str, os.PathLike)):
-        value = _json_object(Path(value))
+        value = read_json_object(value)
     if not is_deepspeed_config(value):
         return Config.load(value)
     _check_training_settings(training_settings(value), args)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     return from_deepspeed(value, precision=precision, loop_checked=True)
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError) as error:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a JSON object, not {type(values).__name__}")
-    return values
 
 
 def _check_training_settings(settings: dict[str, Any], args: transformers.TrainingArguments) -> None:
