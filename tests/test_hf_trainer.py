@@ -6,10 +6,13 @@ SFTTrainer with LoRA; 2 nodes x 2 with all three techniques; a DeepSpeed JSON co
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 import zpp_compile as zpp
@@ -131,6 +134,32 @@ def test_resume_in_fresh_processes_same_and_other_world_size(runs):
 
 ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 2, "quantized_gradients": True,
              "gradient_block_size": 32, "ranks_per_node": 2, **DEBUG_MODE}
+
+
+def nan_loss_run(rank: int, world_size: int, output_dir: str, zeropp: dict | None) -> list[float]:
+    """The logged losses of 3 steps whose third micro-batch (on every rank) has a NaN loss: the
+    Trainer's NaN/Inf filter replaces it in the log (ZeroppTrainer applies it on the device)."""
+    calls = itertools.count()
+
+    def loss_with_a_nan(outputs, labels, num_items_in_batch=None) -> torch.Tensor:
+        logits, targets = outputs.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten()
+        loss = F.cross_entropy(logits, targets, reduction="sum") / num_items_in_batch  # as HF's own losses
+        return loss * float("nan") if next(calls) == 2 else loss
+
+    args = arguments(output_dir, world_size, save_strategy="no", eval_strategy="no", max_steps=3)
+    kwargs = dict(model=tiny_llama(), args=args, train_dataset=dataset(), compute_loss_func=loss_with_a_nan)
+    trainer = transformers.Trainer(**kwargs) if zeropp is None else ZeroppTrainer(**kwargs, zeropp=zeropp)
+    trainer.train()
+    return [loss for loss, _ in history(trainer)]
+
+
+def test_nan_losses_are_filtered_from_the_log_as_the_trainer_does(tmp_path):
+    """Step 2's first micro-batch is NaN (its second is logged alone), and the NaN it puts in the
+    parameters makes step 3 all NaN, logged as the mean since the last log: none."""
+    reference = run_ranks(nan_loss_run, 1, str(tmp_path / "reference"), None)[0]
+    sharded = run_ranks(nan_loss_run, 2, str(tmp_path / "sharded"), DEBUG_MODE)[0]
+    assert len(sharded) == 3 and all(math.isfinite(loss) for loss in sharded) and sharded[2] == 0, sharded
+    torch.testing.assert_close(sharded, reference, rtol=1e-5, atol=1e-6)
 
 
 # SGD, whose steps scale with the gradient (Adam's would hide a wrongly scaled one).
