@@ -1,0 +1,135 @@
+"""Lightning Fabric with zeropp (`zpp_compile.integrations.lightning.ZeroppStrategy`) against the
+same Fabric loop run unsharded in one process: gradient accumulation through
+`fabric.no_backward_sync`, `fabric.clip_gradients`, a cosine schedule; a checkpoint saved with
+`fabric.save` and resumed with `fabric.load`; `fabric.load_raw` of a full state dict; an
+optimizer made before the model is set up, refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+import lightning as L  # noqa: E402
+
+import zpp_compile as zpp  # noqa: E402
+from zpp_compile.config import ConfigError  # noqa: E402
+from zpp_compile.integrations.lightning import ZeroppStrategy  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from models import TinyTransformer  # noqa: E402
+
+STEPS, SAVE_AT, MICRO_BATCHES, GLOBAL_BATCH, SEQ = 6, 3, 2, 4, 9
+# As the HF Trainer tests bound them: AdamW carries fp32 rounding of tiny gradients into updates.
+ADAM_FP32 = dict(rtol=1e-5, atol=1e-5)
+LOGGED_FP32 = dict(rtol=5e-5, atol=1e-6)
+DEBUG_MODE = {"inductor": False}
+
+
+def samples() -> torch.utils.data.TensorDataset:
+    tokens = torch.randint(0, 37, (STEPS * MICRO_BATCHES * GLOBAL_BATCH, SEQ + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def fabric_for(world_size: int, sharded: bool, compile_options: dict | None = None) -> L.Fabric:
+    """Fabric in the test's ranks (already a process group; Lightning sees torchrun's variables)."""
+    if not sharded:
+        return L.Fabric(accelerator="cpu", devices=1)
+    strategy = ZeroppStrategy(compile=compile_options is not None, compile_options=compile_options)
+    return L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+
+
+def fabric_run(rank: int, world_size: int, folder: str, sharded: bool, compile_options: dict | None = None,
+               resume: str | None = None) -> dict:
+    """The loop: per step 2 micro-batches (the first without gradient sync), clipping at 0.5, AdamW
+    and a cosine schedule; saves at step 3, or starts from `resume`. Returns what each step logged
+    (loss over all ranks, gradient norm) and the final parameters."""
+    fabric = fabric_for(world_size, sharded, compile_options)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(TinyTransformer())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.1))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+    loader = fabric.setup_dataloaders(
+        torch.utils.data.DataLoader(samples(), batch_size=GLOBAL_BATCH // fabric.world_size))
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "logged": []}
+    if resume is not None:
+        fabric.load(resume, state)
+    batches = iter(loader)
+    for step in range(STEPS):
+        micro_batches = [next(batches) for _ in range(MICRO_BATCHES)]
+        if step < state["step"]:
+            continue
+        loss_sum = torch.zeros(())
+        for i, (x, y) in enumerate(micro_batches):
+            with fabric.no_backward_sync(model, enabled=i < MICRO_BATCHES - 1):
+                loss = model(x, y) / MICRO_BATCHES
+                fabric.backward(loss)
+            if sharded and i == 0:  # no_backward_sync acts: the gradient stays on the rank, unreduced
+                assert all(p.grad is None for p in model.parameters())
+            loss_sum += loss.detach()
+        norm = fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        state["logged"].append((fabric.all_reduce(loss_sum, reduce_op="mean").item(), norm.full_tensor().item()
+                                if hasattr(norm, "full_tensor") else norm.item()))
+        state["step"] = step + 1
+        if step + 1 == SAVE_AT and resume is None:
+            fabric.save(f"{folder}/step-{SAVE_AT}", state)
+    full = zpp.full_state_dict(model) if sharded else model.state_dict()
+    return {"logged": state["logged"], "state": {k: v.clone() for k, v in full.items()}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lightning")
+    reference = run_ranks(fabric_run, 1, str(root / "reference"), False)[0]
+    straight = run_ranks(fabric_run, 2, str(root / "straight"), True, DEBUG_MODE)[0]
+    return root, reference, straight
+
+
+def assert_same_state(actual: dict, expected: dict, **tolerance) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, **tolerance, msg=lambda m: f"{key}: {m}")
+
+
+def test_fabric_loop_matches_the_unsharded_loop(runs):
+    """2 ranks, compiled: the losses and global gradient norms of 6 steps, and the parameters."""
+    _, reference, straight = runs
+    assert len(straight["logged"]) == STEPS
+    assert max(norm for _, norm in reference["logged"]) > 0.5  # clipping acts
+    torch.testing.assert_close(straight["logged"], reference["logged"], **LOGGED_FP32)
+    assert_same_state(straight["state"], reference["state"], **ADAM_FP32)
+
+
+def test_fabric_checkpoint_resumes_bit_identical(runs):
+    """The step-3 checkpoint (model, optimizer, scheduler, the step and the log so far) resumed by
+    new processes ends bit-identical to the uninterrupted run."""
+    root, _, straight = runs
+    resumed = run_ranks(fabric_run, 2, str(root / "resumed"), True, DEBUG_MODE, str(root / "straight" / "step-3"),
+                        fresh=True)[0]
+    assert resumed["logged"] == straight["logged"]
+    assert_same_state(resumed["state"], straight["state"], rtol=0, atol=0)
+
+
+def setup_checks(rank: int, world_size: int, full_state_file: str) -> None:
+    fabric = fabric_for(world_size, sharded=True)
+    fabric.launch()
+    model = TinyTransformer()
+    with pytest.raises(ConfigError, match=r"set the model up first, then make the optimizer"):
+        fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    model = fabric.setup_module(model)
+    with pytest.raises(ConfigError, match=r"holds 1 parameter\(s\) that are not zeropp shards"):
+        fabric.setup_optimizers(torch.optim.AdamW([*model.parameters(), torch.nn.Parameter(torch.ones(3))]))
+    fabric.load_raw(full_state_file, model)
+    expected = torch.load(full_state_file, weights_only=True)
+    assert_same_state(zpp.full_state_dict(model), expected, rtol=0, atol=0)
+
+
+def test_fabric_setup_refuses_an_early_optimizer_and_load_raw_takes_a_full_state_dict(tmp_path):
+    torch.manual_seed(5)
+    path = tmp_path / "full.pt"
+    torch.save(TinyTransformer().state_dict(), path)
+    run_ranks(setup_checks, 2, str(path))

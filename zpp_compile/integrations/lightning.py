@@ -1,0 +1,192 @@
+"""Lightning Fabric training a zeropp-sharded model: `ZeroppStrategy`.
+
+    fabric = L.Fabric(strategy=ZeroppStrategy(zpp.Config(quantized_weights=True)), devices=2)
+    fabric.launch()
+    model = fabric.setup_module(model)                         # sharded, compiled by zeropp
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    with fabric.no_backward_sync(model, enabled=not last_micro_batch):
+        fabric.backward(model(x, y))
+    fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    fabric.save("ckpt/step-100", {"model": model, "optimizer": optimizer, "step": 100})
+
+The strategy is Lightning's `ModelParallelStrategy` (the one FSDP2 models use), changed where
+zeropp differs:
+- the device mesh is one data-parallel dimension over every rank (zeropp shards over all ranks,
+  so the distributed sampler gives each rank its own part of the data);
+- `setup_module` shards the model with `zpp.shard` (a model built under
+  `fabric.init_module(empty_init=True)`, on the meta device, is materialized there one module at a
+  time, by `init=` or each module's `reset_parameters()`) and compiles it with the zeropp backend;
+  `compile=False` keeps it eager (plain ZeRO-3, the reference);
+- an optimizer must be made from the sharded parameters, after `setup_module`: one made before
+  holds parameters that training never updates, so it is refused;
+- `no_backward_sync` is `zpp.no_sync` (Lightning's looks for FSDP2 modules);
+- checkpoints: the model and one optimizer through `zpp.save_checkpoint` into `<path>/zeropp/`
+  (every rank writes its shards, verified on load, loadable at another world size); the rest of
+  the state (anything not a module or an optimizer) into `<path>/meta.pt` by rank 0, as Lightning
+  writes it. `fabric.load_raw(path, model)` loads a full state dict file (`torch.save` of
+  `zpp.full_state_dict`, or an unsharded model's) into the shards.
+Clipping (`fabric.clip_gradients`) and the rest are Lightning's own: the sharded parameters and
+their gradients are DTensors, as under FSDP2, whose global norm `clip_grad_norm_` computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import zpp_compile as zpp
+
+from ..config import Config, ConfigError
+from ..runtime.registry import REGISTRY
+
+CHECKPOINT_FOLDER = "zeropp"  # the model's and the optimizer's shards, inside the checkpoint directory
+METADATA_FILE = "meta.pt"  # everything else, as Lightning's ModelParallelStrategy names it
+
+
+class ZeroppStrategy(ModelParallelStrategy):
+    """Fabric strategy that shards the model with zeropp and compiles it with the zeropp backend
+    (see the module's docstring). `config`: a `zpp.Config`, a dict of its fields, or a JSON path
+    (zeropp's or a DeepSpeed config); `init`: how `zpp.shard` initializes a model built on the meta
+    device (under `fabric.init_module(empty_init=True)`), one module at a time (default: each
+    module's `reset_parameters()`); `compile_options`: passed to `torch.compile(..., options=...)`."""
+
+    def __init__(
+        self,
+        config: Config | Mapping[str, Any] | str | Path | None = None,
+        *,
+        init: Callable[[nn.Module], None] | None = None,
+        compile: bool = True,
+        compile_options: Mapping[str, Any] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(parallelize_fn=self._shard_and_compile, process_group_backend=process_group_backend,
+                         timeout=timeout)
+        self.zeropp_config = Config.load(config)
+        self._init = init
+        self._compile = compile
+        self._compile_options = dict(compile_options or {})
+        self._backward_sync_control = _ZeroppBackwardSyncControl()
+
+    def setup_environment(self) -> None:
+        # One data-parallel dimension over every rank, whatever the nodes: zeropp's own process
+        # groups (hpZ's, qgZ's hops) follow `Config.ranks_per_node`, not this mesh.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def _shard_and_compile(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        sharded = zpp.shard(module, self.zeropp_config, init=self._init)
+        if not self._compile:
+            return sharded
+        return torch.compile(sharded, backend="zeropp", options=self._compile_options or None)
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
+                                    scheduler: Any = None) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
+        if optimizers:
+            raise ConfigError(
+                "ZeroppStrategy: an optimizer made before the model is set up holds the unsharded parameters, which "
+                "training would never update; set the model up first, then make the optimizer from its parameters: "
+                "`model = fabric.setup_module(model)`, `optimizer = fabric.setup_optimizers(AdamW(model.parameters()))`"
+            )
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        unsharded = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
+        if unsharded:
+            raise ConfigError(
+                f"ZeroppStrategy: the optimizer holds {len(unsharded)} parameter(s) that are not zeropp shards (the "
+                f"first of shape {tuple(unsharded[0].shape)}), which training would not update or not average across "
+                "ranks; make the optimizer from the parameters of the model `fabric.setup_module` returned"
+            )
+        return super().setup_optimizer(optimizer)
+
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any], storage_options: Any = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError("ZeroppStrategy.save_checkpoint: storage_options and filter are not taken: every rank "
+                            "writes all its shards, which the load verifies as a whole")
+        path = Path(self.broadcast(path))
+        model, optimizer, metadata = _split_state(state)
+        if path.is_file():
+            raise FileExistsError(f"{path} is a file; a zeropp checkpoint is a directory: pass another path")
+        zpp.save_checkpoint(model, optimizer, path / CHECKPOINT_FOLDER)
+        if self.global_rank == 0:
+            torch.save({key: _state_of(value) for key, value in metadata.items()}, path / METADATA_FILE)
+
+    def load_checkpoint(self, path: str | Path, state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None = None,
+                        strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(path))
+        if isinstance(state, nn.Module):
+            _load_full_state_dict_file(path, state, strict)
+            return {}
+        if not isinstance(state, dict) or not state:
+            raise ValueError("ZeroppStrategy.load_checkpoint needs state={'model': model, ...} holding the sharded "
+                             "model (and its optimizer, and whatever else to restore)")
+        folder = path / CHECKPOINT_FOLDER
+        if not folder.is_dir():
+            raise zpp.CheckpointError(f"{path} holds no zeropp checkpoint ({CHECKPOINT_FOLDER}/): save it with "
+                                      "fabric.save under ZeroppStrategy, or load a full state dict with load_raw")
+        model, optimizer, requested = _split_state(state)
+        zpp.load_checkpoint(model, optimizer, folder)
+        metadata = torch.load(path / METADATA_FILE, weights_only=weights_only)
+        _validate_keys_for_strict_loading(requested.keys(), metadata.keys(), strict=strict)
+        for key, target in requested.items():
+            if key not in metadata:
+                continue
+            value = metadata.pop(key)
+            if hasattr(target, "load_state_dict") and hasattr(target, "state_dict"):
+                target.load_state_dict(value)
+            else:
+                state[key] = value
+        return metadata
+
+
+class _ZeroppBackwardSyncControl(_BackwardSyncControl):
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return zpp.no_sync(module) if enabled else contextlib.nullcontext()
+
+
+def _split_state(state: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]:
+    """The sharded model, its optimizer (or None) and the rest of `state`."""
+    models = [key for key, value in state.items() if isinstance(value, nn.Module) and REGISTRY.state_of(value)]
+    optimizers = [key for key, value in state.items() if isinstance(value, torch.optim.Optimizer)]
+    if len(models) != 1:
+        raise ValueError(f"ZeroppStrategy checkpoints hold one model sharded by zeropp; state has {len(models)} "
+                         f"({models}): save each model to a path of its own")
+    if len(optimizers) > 1:
+        raise ValueError(f"ZeroppStrategy checkpoints hold one optimizer; state has {optimizers}: save the others' "
+                         "state under other paths, or use one optimizer with parameter groups")
+    others = [key for key, value in state.items() if isinstance(value, nn.Module) and key not in models]
+    if others:
+        raise ValueError(f"ZeroppStrategy checkpoints hold one model sharded by zeropp; {others} are modules it "
+                         "did not shard: save them with torch.save")
+    rest = {key: value for key, value in state.items() if key not in models and key not in optimizers}
+    return state[models[0]], state[optimizers[0]] if optimizers else None, rest
+
+
+def _state_of(value: Any) -> Any:
+    return value.state_dict() if hasattr(value, "state_dict") and hasattr(value, "load_state_dict") else value
+
+
+def _load_full_state_dict_file(path: Path, model: nn.Module, strict: bool) -> None:
+    """An unsharded state dict saved with torch.save, read by rank 0 and sent to the shards."""
+    if REGISTRY.state_of(model) is None:
+        raise ValueError(f"ZeroppStrategy.load_checkpoint: {type(model).__name__} is not sharded by zeropp; set it "
+                         "up with fabric.setup_module first")
+    if not path.is_file():
+        raise ValueError(f"ZeroppStrategy: loading into the model alone takes a full state dict file (torch.save of "
+                         f"zpp.full_state_dict or of an unsharded model's state_dict), and {path} is not a file; "
+                         "for a zeropp checkpoint directory pass state={'model': model}")
+    state_dict = torch.load(path, mmap=True, map_location="cpu", weights_only=True) if dist.get_rank() == 0 else None
+    zpp.load_full_state_dict(model, state_dict, from_rank=0, strict=strict)
