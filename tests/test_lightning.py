@@ -126,9 +126,22 @@ def setup_checks(rank: int, world_size: int, full_state_file: str) -> None:
     fabric.load_raw(full_state_file, model)
     expected = torch.load(full_state_file, weights_only=True)
     assert_same_state(zpp.full_state_dict(model), expected, rtol=0, atol=0)
+    # A strict load of an entry the checkpoint lacks fails before it changes the model.
+    checkpoint = f"{full_state_file}.ckpt"
+    fabric.save(checkpoint, {"model": model, "step": 1})
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)
+    changed = zpp.full_state_dict(model)
+    with pytest.raises(KeyError, match=r"holds no \['epoch'\]"):
+        fabric.load(checkpoint, {"model": model, "epoch": 0})
+    assert_same_state(zpp.full_state_dict(model), changed, rtol=0, atol=0)
+    state = {"model": model, "step": 0}
+    fabric.load(checkpoint, state)
+    assert state["step"] == 1
+    assert_same_state(zpp.full_state_dict(model), expected, rtol=0, atol=0)
 
 
-def test_fabric_setup_refuses_an_early_optimizer_and_load_raw_takes_a_full_state_dict(tmp_path):
+def test_fabric_setup_refuses_an_early_optimizer_and_loads_full_state_dicts_and_checkpoints(tmp_path):
     torch.manual_seed(5)
     path = tmp_path / "full.pt"
     torch.save(TinyTransformer().state_dict(), path)

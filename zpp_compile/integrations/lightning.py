@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+# Fabric's `no_backward_sync` asks the strategy's `_backward_sync_control` (no public base for it).
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -138,15 +139,16 @@ class ZeroppStrategy(ModelParallelStrategy):
             raise zpp.CheckpointError(f"{path} holds no zeropp checkpoint ({CHECKPOINT_FOLDER}/): save it with "
                                       "fabric.save under ZeroppStrategy, or load a full state dict with load_raw")
         model, optimizer, requested = _split_state(state)
-        zpp.load_checkpoint(model, optimizer, folder)
         metadata = torch.load(path / METADATA_FILE, weights_only=weights_only)
-        _validate_keys_for_strict_loading(requested.keys(), metadata.keys(), strict=strict)
-        for key, target in requested.items():
-            if key not in metadata:
-                continue
+        missing = requested.keys() - metadata.keys()
+        if strict and missing:  # before anything is loaded, which leaves the model as it was
+            raise KeyError(f"{path} holds no {sorted(missing)} (it holds {sorted(metadata)}); pass strict=False to "
+                           "restore what it holds")
+        zpp.load_checkpoint(model, optimizer, folder)
+        for key in requested.keys() & metadata.keys():
             value = metadata.pop(key)
-            if hasattr(target, "load_state_dict") and hasattr(target, "state_dict"):
-                target.load_state_dict(value)
+            if _is_stateful(state[key]):
+                state[key].load_state_dict(value)
             else:
                 state[key] = value
         return metadata
@@ -175,8 +177,13 @@ def _split_state(state: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimize
     return state[models[0]], state[optimizers[0]] if optimizers else None, rest
 
 
+def _is_stateful(value: Any) -> bool:
+    """A scheduler or any object with state_dict/load_state_dict: saved and restored through them."""
+    return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+
+
 def _state_of(value: Any) -> Any:
-    return value.state_dict() if hasattr(value, "state_dict") and hasattr(value, "load_state_dict") else value
+    return value.state_dict() if _is_stateful(value) else value
 
 
 def _load_full_state_dict_file(path: Path, model: nn.Module, strict: bool) -> None:
