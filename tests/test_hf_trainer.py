@@ -19,7 +19,7 @@ import zpp_compile as zpp
 from zpp_compile.config import ConfigError
 from zpp_compile.integrations.transformers import ZeroppTrainer, ZeroppTrainerMixin, trainer_config
 from distributed import run_ranks
-from training import needs_4_ranks, relative_error
+from training import assert_same_state, needs_4_ranks, relative_error
 
 VOCAB, SEQ, SAMPLES, STEPS, SAVE_AT = 61, 16, 48, 6, 3
 GLOBAL_BATCH = 4  # samples per micro-batch over all ranks; 2 micro-batches per step
@@ -89,12 +89,6 @@ def runs(tmp_path_factory):
     reference = run_ranks(trainer_run, 1, str(root / "reference"), None)[0]
     straight = run_ranks(trainer_run, 2, str(root / "straight"), DEBUG_MODE)[0]
     return root, reference, straight
-
-
-def assert_same_state(actual: dict, expected: dict, **tolerance) -> None:
-    assert actual.keys() == expected.keys()
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, **tolerance, msg=lambda m: f"{key}: {m}")
 
 
 def test_trainer_matches_the_unsharded_trainer(runs):

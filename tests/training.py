@@ -130,6 +130,13 @@ def quantized_like_qwz(weight: torch.Tensor, world_size: int, block: int) -> tor
     return out.view(weight.shape).to(weight.dtype)
 
 
+def assert_same_state(actual: dict, expected: dict, **tolerance) -> None:
+    """Two state dicts: the same keys, each tensor close within `tolerance` (assert_close's)."""
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, **tolerance, msg=lambda m: f"{key}: {m}")
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 

@@ -1,4 +1,5 @@
-"""Lightning Fabric training a zeropp-sharded model: `ZeroppStrategy`.
+"""Lightning training a zeropp-sharded model: `ZeroppStrategy` for Fabric, `ZeroppTrainerStrategy`
+for the `Trainer`.
 
     fabric = L.Fabric(strategy=ZeroppStrategy(zpp.Config(quantized_weights=True)), devices=2)
     fabric.launch()
@@ -27,11 +28,25 @@ zeropp differs:
   `zpp.full_state_dict`, or an unsharded model's) into the shards.
 Clipping (`fabric.clip_gradients`) and the rest are Lightning's own: the sharded parameters and
 their gradients are DTensors, as under FSDP2, whose global norm `clip_grad_norm_` computes.
+
+`ZeroppTrainerStrategy` is the Trainer's `ModelParallelStrategy` changed the same way. As with
+FSDP2 under the Trainer, the LightningModule's `configure_model()` applies the parallelism:
+
+    def configure_model(self):
+        zpp.shard(self.model, zpp.Config(quantized_weights=True))
+        self.model.compile(backend="zeropp")           # in place: parameter names stay as they are
+
+Gradient accumulation (`accumulate_grad_batches`) runs the micro-batches before the last under
+`zpp.no_sync`; `gradient_clip_val` clips the global norm; `ModelCheckpoint` and
+`trainer.save_checkpoint` write the model's and the optimizer's shards with `zpp.save_checkpoint`
+into `<path>/zeropp/` and the Trainer's own state (loops, schedulers, callbacks) into
+`<path>/meta.pt`; `fit(ckpt_path=...)` resumes from them, at any number of ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -42,6 +57,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 # Fabric's `no_backward_sync` asks the strategy's `_backward_sync_control` (no public base for it).
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy as TrainerModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -103,13 +119,8 @@ class ZeroppStrategy(ModelParallelStrategy):
         return super().setup_module_and_optimizers(module, optimizers, scheduler)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        unsharded = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
-        if unsharded:
-            raise ConfigError(
-                f"ZeroppStrategy: the optimizer holds {len(unsharded)} parameter(s) that are not zeropp shards (the "
-                f"first of shape {tuple(unsharded[0].shape)}), which training would not update or not average across "
-                "ranks; make the optimizer from the parameters of the model `fabric.setup_module` returned"
-            )
+        _check_optimizer(optimizer, "make the optimizer from the parameters of the model `fabric.setup_module` "
+                                    "returned")
         return super().setup_optimizer(optimizer)
 
     def save_checkpoint(self, path: str | Path, state: dict[str, Any], storage_options: Any = None,
@@ -154,9 +165,84 @@ class ZeroppStrategy(ModelParallelStrategy):
         return metadata
 
 
+class ZeroppTrainerStrategy(TrainerModelParallelStrategy):
+    """Lightning `Trainer` strategy for a LightningModule whose `configure_model()` shards its
+    model with `zpp.shard` (and compiles it with the zeropp backend); see the module's docstring."""
+
+    def __init__(self, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__(tensor_parallel_size=1, process_group_backend=process_group_backend, timeout=timeout)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes  # as ZeroppStrategy's
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        if REGISTRY.state_of(self.lightning_module) is None:
+            raise ConfigError(
+                f"ZeroppTrainerStrategy: {type(self.lightning_module).__name__} holds no model sharded by zeropp; "
+                "shard it in configure_model(): `zpp.shard(self.model, config)`, then "
+                "`self.model.compile(backend=\"zeropp\")`"
+            )
+        super().setup(trainer)
+        for optimizer in self.optimizers:
+            _check_optimizer(optimizer, "make the optimizers in configure_optimizers() from self.parameters()")
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        with zpp.no_sync(self.lightning_module):
+            yield
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the shards go through zpp.save_checkpoint (save_checkpoint below)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}  # as the model's
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroppTrainerStrategy.save_checkpoint takes no storage_options: every rank writes "
+                            "its shards with zpp.save_checkpoint")
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            raise FileExistsError(f"{path} is a file; a zeropp checkpoint is a directory: pass another path")
+        zpp.save_checkpoint(self.lightning_module, self._the_optimizer(), path / CHECKPOINT_FOLDER)
+        if self.global_rank == 0:
+            rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+            torch.save(rest, path / METADATA_FILE)
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        folder = path / CHECKPOINT_FOLDER
+        if not folder.is_dir():
+            raise zpp.CheckpointError(f"{path} holds no zeropp checkpoint ({CHECKPOINT_FOLDER}/): save it under "
+                                      "ZeroppTrainerStrategy (ModelCheckpoint or trainer.save_checkpoint)")
+        checkpoint = torch.load(path / METADATA_FILE, weights_only=weights_only)
+        zpp.load_checkpoint(self.lightning_module, self._the_optimizer(), folder)
+        return checkpoint
+
+    def _the_optimizer(self) -> torch.optim.Optimizer | None:
+        if len(self.optimizers) > 1:
+            raise ValueError(f"ZeroppTrainerStrategy checkpoints hold one optimizer; configure_optimizers() made "
+                             f"{len(self.optimizers)}: use one optimizer with parameter groups")
+        return self.optimizers[0] if self.optimizers else None
+
+
 class _ZeroppBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return zpp.no_sync(module) if enabled else contextlib.nullcontext()
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, fix: str) -> None:
+    """Every parameter the optimizer updates must be a zeropp shard: any other would not be updated
+    (one made before sharding) or not averaged across ranks."""
+    unsharded = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
+    if unsharded:
+        raise ConfigError(
+            f"the optimizer holds {len(unsharded)} parameter(s) that are not zeropp shards (the first of shape "
+            f"{tuple(unsharded[0].shape)}), which training would not update or not average across ranks; {fix}"
+        )
 
 
 def _split_state(state: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]:
