@@ -62,8 +62,8 @@ def shard_sizes() -> list[int]:
 
 
 def qwz_gather_bytes(s: int) -> int:
-    """Bytes of one qwZ-gathered shard (README): INT8 codes padded to whole blocks plus one
-    float32 scale per block; a shard smaller than a block travels in bf16."""
+    """Bytes of one qwZ-gathered shard (docs/design.md, qwZ): INT8 codes padded to whole blocks
+    plus one float32 scale per block; a shard smaller than a block travels in bf16."""
     blocks = math.ceil(s / BLOCK)
     return blocks * BLOCK + 4 * blocks if s >= BLOCK else 2 * s
 

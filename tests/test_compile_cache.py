@@ -94,7 +94,8 @@ def launches(tmp_path_factory) -> tuple[list[dict], list[dict], Path]:
     cache, dump = tmp_path_factory.mktemp("inductor_cache"), tmp_path_factory.mktemp("dump")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the spawned ranks inherit it
-        # Torch versions before 2.13 key AOTAutograd's cache on a per-process hash unless it is fixed (README).
+        # Torch versions before 2.13 key AOTAutograd's cache on a per-process hash unless it is fixed
+        # (docs/guide.md, "Warm restarts").
         env.setenv("PYTHONHASHSEED", "0")
         first = run_ranks(launch, 2, False, str(dump), fresh=True)
         second = run_ranks(launch, 2, True, str(dump), fresh=True)
