@@ -59,9 +59,10 @@ def main() -> None:
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = device.type == "cuda"
+    config = zpp.Config.load(args.zeropp)
     flags = {"quantized_weights": args.qwz, "hpz_partition_size": args.hpz, "ranks_per_node": args.hpz,
-             "quantized_gradients": args.qgz, "param_dtype": "bf16" if on_gpu else None}
-    config = zpp.Config.load(args.zeropp).updated({k: v for k, v in flags.items() if v})
+             "quantized_gradients": args.qgz, "param_dtype": "bf16" if on_gpu and not config.param_dtype else None}
+    config = config.updated({k: v for k, v in flags.items() if v})
 
     torch.manual_seed(0)
     attention = args.attention or ("flex" if on_gpu else "sdpa")
@@ -72,8 +73,9 @@ def main() -> None:
         model.init_weights(buffer_device=device)  # torchtitan's initialization, on the shards
     step_model = torch.compile(model, backend="zeropp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=on_gpu)
+    decay_steps = max(1, args.steps - args.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / (args.warmup + 1), max(0.0, (args.steps - s) / (args.steps - args.warmup))))
+        optimizer, lambda s: min((s + 1) / (args.warmup + 1), max(0.0, (args.steps - s) / decay_steps)))
 
     positions = torch.arange(args.seq, device=device).expand(args.batch, -1)
     masks = model.get_attention_masks(positions) if attention == "flex" else None  # its causal block mask
