@@ -109,7 +109,7 @@ def release_cuda_graphs() -> None:
 
     Call it before torch.distributed.destroy_process_group(): NCCL does not destroy a communicator
     while a CUDA graph holding its collectives exists, so destroying the process group would wait
-    forever (pytorch/pytorch#115388).
+    forever.
     """
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -62,7 +62,7 @@ def shard_sizes() -> list[int]:
 
 
 def qwz_gather_bytes(s: int) -> int:
-    """Bytes of one qwZ-gathered shard (docs/design.md, qwZ): INT8 codes padded to whole blocks
+    """Bytes of one qwZ-gathered shard (docs/internals.md, qwZ): INT8 codes padded to whole blocks
     plus one float32 scale per block; a shard smaller than a block travels in bf16."""
     blocks = math.ceil(s / BLOCK)
     return blocks * BLOCK + 4 * blocks if s >= BLOCK else 2 * s

@@ -19,17 +19,10 @@ import zpp_compile as zpp
 from zpp_compile.config import ConfigError
 from zpp_compile.integrations.transformers import ZeroppTrainer, ZeroppTrainerMixin, trainer_config
 from distributed import run_ranks
-from training import assert_same_state, needs_4_ranks, relative_error
+from training import ADAM_FP32, LOGGED_FP32, assert_same_state, needs_4_ranks, relative_error
 
 VOCAB, SEQ, SAMPLES, STEPS, SAVE_AT = 61, 16, 48, 6, 3
 GLOBAL_BATCH = 4  # samples per micro-batch over all ranks; 2 micro-batches per step
-# Parameters after AdamW steps, against the reference: Adam divides each gradient by its running
-# scale, so an element whose gradients are tiny carries their fp32 rounding into its update at up
-# to about lr x 1e-4 (2e-6 here) per step.
-ADAM_FP32 = dict(rtol=1e-5, atol=1e-5)
-# Logged losses and gradient norms: the norms sum every gradient element (the tied embedding's
-# from two reads, in another order when sharded) after the updates above.
-LOGGED_FP32 = dict(rtol=5e-5, atol=1e-6)
 
 
 def tiny_llama() -> transformers.LlamaForCausalLM:

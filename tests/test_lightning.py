@@ -18,12 +18,9 @@ from zpp_compile.config import ConfigError  # noqa: E402
 from zpp_compile.integrations.lightning import ZeroppStrategy, ZeroppTrainerStrategy  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 from models import TinyTransformer  # noqa: E402
-from training import assert_same_state  # noqa: E402
+from training import ADAM_FP32, LOGGED_FP32, assert_same_state  # noqa: E402
 
 STEPS, SAVE_AT, MICRO_BATCHES, GLOBAL_BATCH, SEQ = 6, 3, 2, 4, 9
-# As the HF Trainer tests bound them: AdamW carries fp32 rounding of tiny gradients into updates.
-ADAM_FP32 = dict(rtol=1e-5, atol=1e-5)
-LOGGED_FP32 = dict(rtol=5e-5, atol=1e-6)
 DEBUG_MODE = {"inductor": False}
 
 

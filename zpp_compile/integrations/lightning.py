@@ -65,8 +65,8 @@ import zpp_compile as zpp
 
 from ..config import Config, ConfigError
 from ..runtime.registry import REGISTRY
+from . import CHECKPOINT_FOLDER, checkpoint_folder
 
-CHECKPOINT_FOLDER = "zeropp"  # the model's and the optimizer's shards, inside the checkpoint directory
 METADATA_FILE = "meta.pt"  # everything else, as Lightning's ModelParallelStrategy names it
 
 
@@ -145,10 +145,8 @@ class ZeroppStrategy(ModelParallelStrategy):
         if not isinstance(state, dict) or not state:
             raise ValueError("ZeroppStrategy.load_checkpoint needs state={'model': model, ...} holding the sharded "
                              "model (and its optimizer, and whatever else to restore)")
-        folder = path / CHECKPOINT_FOLDER
-        if not folder.is_dir():
-            raise zpp.CheckpointError(f"{path} holds no zeropp checkpoint ({CHECKPOINT_FOLDER}/): save it with "
-                                      "fabric.save under ZeroppStrategy, or load a full state dict with load_raw")
+        folder = checkpoint_folder(path, "save it with fabric.save under ZeroppStrategy, or load a full state "
+                                         "dict with load_raw")
         model, optimizer, requested = _split_state(state)
         metadata = torch.load(path / METADATA_FILE, weights_only=weights_only)
         missing = requested.keys() - metadata.keys()
@@ -214,10 +212,8 @@ class ZeroppTrainerStrategy(TrainerModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        folder = path / CHECKPOINT_FOLDER
-        if not folder.is_dir():
-            raise zpp.CheckpointError(f"{path} holds no zeropp checkpoint ({CHECKPOINT_FOLDER}/): save it under "
-                                      "ZeroppTrainerStrategy (ModelCheckpoint or trainer.save_checkpoint)")
+        folder = checkpoint_folder(path, "save it under ZeroppTrainerStrategy (ModelCheckpoint or "
+                                         "trainer.save_checkpoint)")
         checkpoint = torch.load(path / METADATA_FILE, weights_only=weights_only)
         zpp.load_checkpoint(self.lightning_module, self._the_optimizer(), folder)
         return checkpoint

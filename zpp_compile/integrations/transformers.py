@@ -44,8 +44,8 @@ import zpp_compile as zpp
 from ..config import Config, ConfigError, read_json_object
 from ..deepspeed_json import from_deepspeed, is_deepspeed_config, training_settings
 from ..runtime.registry import REGISTRY
+from . import CHECKPOINT_FOLDER, checkpoint_folder
 
-CHECKPOINT_FOLDER = "zeropp"  # inside each of the Trainer's checkpoint-N folders
 SCHEDULER_FILE = "scheduler.pt"  # the name the Trainer saves and reads its scheduler under
 
 
@@ -174,13 +174,8 @@ def _check_training_settings(settings: dict[str, Any], args: transformers.Traini
 
 
 def _checkpoint_folder(checkpoint: str) -> Path:
-    folder = Path(checkpoint) / CHECKPOINT_FOLDER
-    if not folder.is_dir():
-        raise zpp.CheckpointError(
-            f"{checkpoint} holds no zeropp checkpoint ({CHECKPOINT_FOLDER}/): it was not saved by a zeropp trainer; "
-            "to start from its weights instead, load them with from_pretrained before sharding"
-        )
-    return folder
+    return checkpoint_folder(checkpoint, "it was not saved by a zeropp trainer; to start from its weights "
+                                         "instead, load them with from_pretrained before sharding")
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
