@@ -82,6 +82,9 @@ class PassContext:
     graph_name: str  # e.g. "g0.backward"
     kind: str  # "joint", "forward", "backward" or "inference"
     layers: tuple[str, ...] = ()  # qualified names of the model's layers (ShardingState.layers)
+    # Whether a bucket must keep within one layer: Config.bucket_size="layer", which the backend
+    # has replaced by the largest layer's bytes in `config`; a size given in bytes may span layers.
+    buckets_within_layers: bool = True
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ class _Bucket:
 
 
 def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
-    """Merges consecutive gathers, and consecutive reductions, into one per `bucket_size` bytes,
-    never across the boundary of two of `ctx.layers` (with bucket_size="layer" the backend passes
-    the model's layers and sizes buckets by the largest, so each layer is one bucket, as each
-    block is one FSDP unit; with a size in bytes it passes none).
+    """Merges consecutive gathers, and consecutive reductions, into one per `bucket_size` bytes.
+    With bucket_size="layer" (sized by the largest layer) a bucket never spans two of
+    `ctx.layers`, so each layer is one bucket, as each block is one FSDP unit; a size in bytes
+    may span layers.
 
     Each bucket becomes one `zpp.all_gather_param` or one `zpp.reduce_grad`. A gather bucket
     concatenates its members' shards (each padded to its own shard size), gathers them at once
@@ -41,7 +41,8 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     """
     size = ctx.config.bucket_size
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
-    layer_of_node = lambda n: layer_of(n, ctx.layers)  # noqa: E731
+    layers = ctx.layers if ctx.buckets_within_layers else ()
+    layer_of_node = lambda n: layer_of(n, layers)  # noqa: E731
     for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config), layer_of_node):
         _merge_gathers(graph, bucket)
     reductions = nodes_calling(graph, torch.ops.zpp.reduce_grad.default)

@@ -10,8 +10,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..runtime.ops import gather_param_args
-from ..runtime.registry import REGISTRY
+from ..torch_compat import RECOMPUTE, OpOverload, mutates_arguments, op_arguments
 from .base import RECOMPUTED, PassContext
 from .fx_util import ancestors, backward_nodes, layer_of, nodes_calling, weight_chain
 
@@ -61,12 +60,12 @@ def checkpoint_activations(graph: fx.Graph, ctx: PassContext) -> None:
     if not backward or not gathers:  # an inference graph, or one without parameters
         return
 
-    layers = REGISTRY.states[gather_param_args(gathers[0]).sharding_id].layers  # the model's, whatever bucket_size is
+    layers = ctx.layers
     weights = set().union(*(weight_chain(g) for g in gathers), *(ancestors(g) for g in gathers))
     forward = _forward_nodes(graph, backward)
     members: dict[str, list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
-        if node in forward and node.op == "call_function" and node not in weights and "recompute" not in node.meta:
+        if node in forward and node.op == "call_function" and node not in weights and RECOMPUTE not in node.meta:
             layer = layer_of(node, layers)
             if layer is not None:
                 members[layer].append(node)
@@ -77,7 +76,7 @@ def checkpoint_activations(graph: fx.Graph, ctx: PassContext) -> None:
         if selective:
             for node in nodes:
                 if _target(node) in _KEPT_BY_SELECTIVE:
-                    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                    node.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
         _recompute_in_backward(graph, copied, forward, backward, weights, layers.index(layer), made)
 
 
@@ -107,7 +106,7 @@ def _copied(nodes: list[fx.Node], selective: bool) -> list[fx.Node]:
             recompute = node.args[0] in copied  # an output of a multi-output op: with the op
         else:
             recompute = (
-                isinstance(node.target, torch._ops.OpOverload)
+                isinstance(node.target, OpOverload)
                 and not _mutates(node)
                 and _holds_tensors(node)
                 and not _draws_random_numbers(node)
@@ -119,7 +118,7 @@ def _copied(nodes: list[fx.Node], selective: bool) -> list[fx.Node]:
 
 
 def _mutates(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    return mutates_arguments(node.target)
 
 
 def _holds_tensors(node: fx.Node) -> bool:
@@ -133,7 +132,7 @@ def _draws_random_numbers(node: fx.Node) -> bool:
     op = node.target
     if torch.Tag.nondeterministic_seeded not in op.tags:
         return False
-    arguments = op._schema.arguments
+    arguments = op_arguments(op)
     names = [a.name for a in arguments]
     if "dropout_p" not in names:
         return True

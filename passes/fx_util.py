@@ -8,12 +8,11 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..runtime.ops import gather_param_args
 from ..runtime.registry import REGISTRY
+from ..torch_compat import OpOverload, detect_fake_mode, node_module_stack, select_decomp_table
 
 _ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argument: L['self']
 
@@ -37,15 +36,18 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
     tag), and are decomposed as Inductor expects of the graphs its passes see. Returns the node
     holding fn's result.
 
-    Tracing costs far more than copying: a trace is kept (in the registry) and copied again for
-    the same function, constants and argument shapes, as every identical layer of a model asks
-    for; the copy's values are computed afresh, in this graph's fake mode.
+    Tracing costs far more than copying: a trace is kept and copied again for the same function,
+    constants and argument shapes, as every identical layer of a model asks for; the copy's values
+    are computed afresh, in this graph's fake mode. The traces are kept with the compilation's fake
+    mode (shared by its forward and backward graphs) and go with it, so nothing outlives the
+    compiled code (or `torch.compiler.reset()`).
     """
     tensor_args = [a for a in args if isinstance(a, fx.Node)]
     values = [a.meta["val"] for a in tensor_args]
-    key = _trace_key(fn, args, values)
-    traced = REGISTRY.traces.get(key) if key is not None else None
     fake_mode = detect_fake_mode(values)
+    traces = REGISTRY.traces.setdefault(fake_mode, {}) if fake_mode is not None else {}
+    key = _trace_key(fn, args, values)
+    traced = traces.get(key) if key is not None else None
     if traced is None:
 
         def with_constants(*tensors: torch.Tensor) -> torch.Tensor:
@@ -60,12 +62,12 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
     for original, node in copies.items():
         if meta and original.op == "call_function":
             node.meta.update(meta)
-    if key is not None and key in REGISTRY.traces:
+    if key is not None and key in traces:
         _propagate_values(copies, fake_mode)
     elif key is not None:
         for node in traced.graph.nodes:  # kept without this graph's fake values
             node.meta.pop("val", None)
-        REGISTRY.traces[key] = traced
+        traces[key] = traced
     return result
 
 
@@ -74,7 +76,7 @@ def _trace_key(fn: Callable[..., Any], args: tuple, values: list[torch.Tensor]) 
     and dtypes. None (trace afresh) for closures and bound methods, which hide state, and for
     symbolic shapes."""
     plain_function = isinstance(fn, types.FunctionType) and fn.__closure__ is None
-    if not (plain_function or isinstance(fn, torch._ops.OpOverload)):
+    if not (plain_function or isinstance(fn, OpOverload)):
         return None
     metas = [(tuple(v.shape), tuple(v.stride()), v.dtype, v.device, v.requires_grad) for v in values]
     if any(not isinstance(d, int) for shape, stride, *_ in metas for d in (*shape, *stride)):
@@ -140,7 +142,7 @@ def weight_chain(gather: fx.Node) -> list[fx.Node]:
 def layer_of(node: fx.Node, layers: tuple[str, ...]) -> str | None:
     """The layer whose forward `node` belongs to (for a gradient reduction: whose forward it
     differentiates), from the module stack Dynamo records; None outside every layer."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    stack = node_module_stack(node)
     if not layers or not stack:  # no layers to keep to (bucket_size in bytes): skip the parsing
         return None
     source = list(stack.values())[-1][0]  # e.g. "L['self'].blocks.0.attn"

@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime.ops import reduce_grad_args
+from ..torch_compat import FWD_NN_MODULE_STACK, NN_MODULE_STACK
 from .base import READ_REPEATEDLY, PassContext
 from .fx_util import descendants, gathered_param, nodes_calling, replace_with_traced
 
@@ -58,7 +59,7 @@ def _reduce_sum_once(graph: fx.Graph, reductions: list[fx.Node]) -> None:
     *earlier, last = reductions
     final = reduce_grad_args(last)
     shard_numel, dtype = final.shard_numel, final.dtype
-    module_stack = {k: last.meta[k] for k in ("nn_module_stack", "fwd_nn_module_stack") if k in last.meta}
+    module_stack = {k: last.meta[k] for k in (NN_MODULE_STACK, FWD_NN_MODULE_STACK) if k in last.meta}
     merged = replace_with_traced(graph, last, _reduce_sum, shard_numel, final.group_size, final.group_name, dtype,
                                  *(reduce_grad_args(r).grad for r in reductions))
     merged.meta.update(module_stack)  # bucketing keeps reductions to the layer they differentiate

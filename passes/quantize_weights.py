@@ -6,12 +6,13 @@ import torch
 import torch.fx as fx
 
 from ..runtime.ops import gather_param_args, quantize_and_gather
+from ..torch_compat import RECOMPUTE
 from .base import RECOMPUTED, PassContext, weight_block_size
 from .fx_util import insert_traced, nodes_calling, replace_with_traced
 
 # What a gather's replacement inherits from it: whether the partitioner recomputes it in backward
 # (reshard after forward) and whether it is a copy activation checkpointing made for backward.
-_INHERITED_META = ("recompute", RECOMPUTED)
+_INHERITED_META = (RECOMPUTE, RECOMPUTED)
 
 
 def quantize_weights(graph: fx.Graph, ctx: PassContext) -> None:

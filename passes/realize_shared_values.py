@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..torch_compat import REALIZE_TO_STRIDES
+
 from .base import PassContext
 
 _aten = torch.ops.aten
@@ -30,7 +32,7 @@ def realize_shared_values(graph: fx.Graph, ctx: PassContext) -> None:
     """
     for node in graph.nodes:
         if _pointwise(node) and _reader_count(node) > MAX_INLINED_READERS and _computed_costly(node):
-            node.meta["inductor_realize_to_strides"] = True
+            node.meta[REALIZE_TO_STRIDES] = True
 
 
 def _pointwise(node: fx.Node) -> bool:

@@ -7,6 +7,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..torch_compat import INVOKE_SUBGRAPH
+
 from .base import PassContext
 from .fx_util import ancestors, nodes_calling, weight_chain
 
@@ -24,7 +26,7 @@ def region_weights(graph: fx.Graph, ctx: PassContext) -> None:
     region: backward then uses weights like any layer compiled inline, so reshard after forward
     re-gathers them there, and bucketing and the schedule see every use.
     """
-    regions = nodes_calling(graph, torch.ops.higher_order.invoke_subgraph)
+    regions = nodes_calling(graph, INVOKE_SUBGRAPH)
     if not regions:
         return
     from_weights: set[fx.Node] = set()
@@ -49,7 +51,7 @@ def _saved_by_region(arg: object) -> tuple[fx.Node, int] | None:
     if not (isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is operator.getitem):
         return None
     source, index = arg.args
-    if isinstance(source, fx.Node) and source.target is torch.ops.higher_order.invoke_subgraph:
+    if isinstance(source, fx.Node) and source.target is INVOKE_SUBGRAPH:
         return source, index
     return None
 

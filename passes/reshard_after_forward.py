@@ -7,6 +7,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.ops import gather_param_args
+from ..torch_compat import RECOMPUTE
 from .base import PassContext
 from .fx_util import ancestors, nodes_calling, weight_chain
 
@@ -23,4 +24,4 @@ def reshard_after_forward(graph: fx.Graph, ctx: PassContext) -> None:
     for gather in nodes_calling(graph, torch.ops.zpp.all_gather_param.default):
         shard_side = [n for n in ancestors(gather_param_args(gather).shard) if n.op == "call_function"]
         for node in shard_side + weight_chain(gather):
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta[RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE

@@ -4,14 +4,14 @@ reductions waited for only when the next one starts."""
 from __future__ import annotations
 
 import networkx
-import torch
 import torch.fx as fx
 
 from ..runtime.collectives import ALL_GATHERS
+from ..torch_compat import C10D_FUNCTIONAL
 from .base import PassContext
 from .fx_util import ancestors, backward_nodes, descendants
 
-_c10d = torch.ops._c10d_functional
+_c10d = C10D_FUNCTIONAL
 COLLECTIVES = (*ALL_GATHERS, _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
 WAIT = _c10d.wait_tensor.default
 

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..torch_compat import EXAMPLE_VALUE
+
 from .ops import gather_param_args
 from .registry import REGISTRY, ShardingState
 from .topology import Topology
@@ -75,7 +77,7 @@ def gather_schedule(
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (gather, gather.default):
             args = gather_param_args(node)
-            value = args.shard.meta.get("example_value")
+            value = args.shard.meta.get(EXAMPLE_VALUE)
             reduced = torch.is_grad_enabled() and value is not None and value.requires_grad
             gradient = f", gradient reduced in {_name(args.reduce_dtype)}" if reduced else ", no gradient"
             schedule.append(f"{_parameter(args.shard)}: {_name(args.dtype)} gather of {args.shard_size} elements per "

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-_c10d = torch.ops._c10d_functional
+from ..torch_compat import C10D_FUNCTIONAL
+
+_c10d = C10D_FUNCTIONAL
 
 
 # The functional all-gathers, as they appear in lowered graphs.
@@ -51,7 +53,7 @@ def all_to_all_between_nodes(x: torch.Tensor, group_size: int, group_name: str, 
 
     With two members it is an all-gather of the one chunk each sends its peer: the same bytes,
     but NCCL's network transport runs a collective over all its channels and point-to-point
-    sends over fewer (PERFORMANCE.md has the measurement).
+    sends over fewer (docs/performance.md has the measurement).
     """
     if group_size != 2:
         return all_to_all(x, group_size, group_name)

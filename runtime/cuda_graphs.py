@@ -27,8 +27,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._inductor.compile_fx import compile_fx_inner
 
+from ..torch_compat import (
+    USER_VISIBLE_OUTPUTS, compile_fx_inner, inner_compile_kept_cudagraphs, is_inner_compile_of_backward,
+)
 from .registry import REGISTRY
 
 
@@ -85,9 +87,9 @@ def graphed_inner_compile(
 ) -> GraphedCallable:
     """`compile_fx_inner` under `triton.cudagraphs`, its result wrapped as the module docstring
     says (pass as compile_fx's inner_compile)."""
-    name = "backward" if kwargs.get("is_backward") else "forward"
+    name = "backward" if is_inner_compile_of_backward(kwargs) else "forward"
     compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-    if not kwargs.get("cudagraphs"):  # Inductor turns this flag off when it cannot capture
+    if not inner_compile_kept_cudagraphs(kwargs):  # Inductor turns this flag off when it cannot capture
         info = getattr(compiled, "cudagraph_info", None)
         reasons = "; ".join(getattr(info, "cudagraph_fail_reasons", None) or ["see TORCH_LOGS=perf_hints"])
         raise RuntimeError(
@@ -99,7 +101,7 @@ def graphed_inner_compile(
     output = next(iter(reversed(gm.graph.nodes)))
     # What the user can hold on to: the loss (forward), the gradients (backward); compile_fx marks
     # them on the graph's output node before calling inner_compile.
-    user_outputs = output.meta.get("user_visible_output_idxs", range(len(output.args[0])))
+    user_outputs = output.meta.get(USER_VISIBLE_OUTPUTS, range(len(output.args[0])))
     return GraphedCallable(compiled, name, user_outputs, timeout_s)
 
 

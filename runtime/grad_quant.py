@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from ..torch_compat import registers_per_sm
 from .grad_quant_format import (
     DEFAULT_BLOCK_SIZE,
     check_bits,
@@ -75,7 +76,7 @@ __all__ = [
 # each, as many per SM as the best sweep of 4-warp programs had warps, without a tile's blocks
 # split over warps (grad_quant_kernels.py). l2_prefetch: whether a program asks L2 for the tile after
 # the one in its registers (it pays with INT4 sources, not with INT8). Chosen by sweeps of
-# examples/bench_grad_kernels.py on an H200; the figures are in PERFORMANCE.md ("Kernel design:
+# examples/bench_grad_kernels.py on an H200; the figures are in docs/performance.md ("Kernel design:
 # what was measured").
 TUNING = {
     "quantize": {4: dict(tile_elems=8192, num_warps=4, octets=2),
@@ -131,9 +132,7 @@ def elems_per_thread(num_sources: int, in_bits: int) -> int:
 def _register_cap(device: torch.device, programs_per_sm: int, warps: int) -> int:
     """Registers per thread that let ``programs_per_sm`` programs of ``warps`` warps be resident
     on one SM together (allocated in units of 8 per thread; at most 255)."""
-    regs = 65536
-    if device.type == "cuda":
-        regs = getattr(torch.cuda.get_device_properties(device), "regs_per_multiprocessor", regs)
+    regs = registers_per_sm(device) if device.type == "cuda" else 65536
     return max(8, min(255, regs // (programs_per_sm * warps * 32) // 8 * 8))
 
 

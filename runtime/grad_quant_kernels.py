@@ -44,7 +44,7 @@ With INT4 sources ``qgz_reduce_requantize`` is bound by instructions, not bytes:
 decode-and-fma (LOP3, FADD, FFMA per code and source, one shift per word) is most of what it
 issues per output element. Tiles are assigned statically: claiming them from atomic counters made
 the compiler issue the next tile's loads later in the loop. The measurements behind these choices
-are in PERFORMANCE.md ("Kernel design: what was measured").
+are in docs/performance.md ("Kernel design: what was measured").
 
 Arguments of the kernels and their helpers: the table in ``grad_quant_tiles.py``, and::
 

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 import torch.nn.functional as F
 
+from ..torch_compat import OpOverload, cuda_graph_unsafe_tags
 from . import grad_quant, weight_quant  # noqa: F401  (register the quantization ops)
 from .buckets import join_shards, member_starts, split_rows
 from .collectives import all_gather, all_to_all, all_to_all_between_nodes, reduce_scatter_sum
@@ -304,7 +305,7 @@ class AddKeptGrad(torch.autograd.Function):
 
 # Its result depends on Python state, not only on its inputs: a CUDA graph replaying it would
 # replay the first call's gradient.
-_NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+_NOT_IN_CUDA_GRAPHS = cuda_graph_unsafe_tags()
 
 
 @torch.library.custom_op("zpp::add_kept_grad", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -420,7 +421,7 @@ def dequantize_weight_args(node: fx.Node) -> DequantizeWeightArgs:
     return DequantizeWeightArgs(**_named_arguments(node, torch.ops.zpp.dequantize_weight.default))
 
 
-def _named_arguments(node: fx.Node, op: torch._ops.OpOverload) -> dict[str, Any]:
+def _named_arguments(node: fx.Node, op: OpOverload) -> dict[str, Any]:
     """`node`'s arguments by their names in `op`'s schema (Dynamo's graphs call the op's packet,
     the joint graph its overload)."""
     if node.target not in (op, op.overloadpacket):

@@ -46,7 +46,8 @@ class Registry:
     ledger: list[GraphComm] = field(default_factory=list)  # in compile order
     graph_ids: itertools.count = field(default_factory=itertools.count)
     cuda_graph_watch: Any = None  # runtime.cuda_graphs.CallWatch, made by the first graphed compilation
-    traces: dict[tuple, Any] = field(default_factory=dict)  # passes.fx_util.insert_traced's traces, by call
+    # passes.fx_util.insert_traced's traces by call, kept with the fake mode of the compilation they serve.
+    traces: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     agreed_schedules: set[tuple[frozenset[int], str]] = field(default_factory=set)  # (sharding ids, digest)
     # Shards and buffers allocated but not yet given values (NaN until then), by tensor -> state:
     # what to_empty() after shard left, or meta modules shard() had no init for.

@@ -40,7 +40,7 @@ also run without masks. Block sizes for the kernels are powers of 2 (others fall
 torch twin); R, the chunk count, is a grid dimension (<= 65535). Each thread holds about 64
 elements of its blocks in quantize, 32 in dequantize (ELEMS_PER_THREAD; see the tile comment
 above the kernels), so that the per-block work is amortized over many elements (instruction
-counts per element in PERFORMANCE.md, "Kernel design: what was measured"). Non-finite blocks are
+counts per element in docs/performance.md, "Kernel design: what was measured"). Non-finite blocks are
 a rare branch that rewrites its tile from a second read, so it costs the common path no
 registers.
 
@@ -437,7 +437,7 @@ if HAS_TRITON:
 
 
 # Default register tile per thread (elements), see _tile. Dequantize holds less: its fp32 output
-# ran faster so (PERFORMANCE.md, "Kernel design: what was measured").
+# ran faster so (docs/performance.md, "Kernel design: what was measured").
 ELEMS_PER_THREAD = {"quantize": 64, "dequantize": 32}
 
 

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -41,3 +42,12 @@ if not torch.cuda.is_available():
 from torch._inductor.runtime.runtime_utils import cache_dir  # noqa: E402  (after TRITON_INTERPRET)
 
 cache_dir()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a test's fixtures are set up: whether it may start ranks. The fast tier (`pytest -m
+    "not distributed"`) stays fast only while every test that starts processes is marked."""
+    import distributed
+
+    distributed.UNMARKED_TEST = None if item.get_closest_marker("distributed") else item.nodeid

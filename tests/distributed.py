@@ -35,6 +35,8 @@ import torch.multiprocessing as mp
 import zpp_compile as zpp
 
 BACKEND = os.environ.get("ZPP_TEST_BACKEND", "gloo")
+# The test now running if it is not marked distributed (set by conftest.py), which may not start ranks.
+UNMARKED_TEST: str | None = None
 
 
 def device() -> torch.device:
@@ -50,6 +52,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     awaited and returned (in rank order); the others (a rank made to die or hang) are then killed.
     With `fresh`, the ranks are new processes, ended after the call.
     """
+    if UNMARKED_TEST is not None:
+        raise AssertionError(f"{UNMARKED_TEST} starts ranks: mark it @pytest.mark.distributed (or its module, "
+                             "pytestmark = pytest.mark.distributed), so that the fast tier leaves it out")
     awaited = sorted(set(range(world_size) if reporting is None else reporting))
     keep = reporting is None and not fresh
     ranks = _RANKS.take(world_size) if keep else _Ranks(world_size)
@@ -177,15 +182,26 @@ def _share(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
     return [fn(*args) for fn, *args in calls[rank::world_size]]
 
 
-def in_turn(rank: int, world_size: int, calls: list[tuple]) -> list[Any]:
+def in_turn(rank: int, world_size: int, calls: list[tuple] | dict[str, tuple]) -> list[Any] | dict[str, Any]:
     """fn(rank, world_size, *args) for each (fn, *args) of `calls` in turn, on one spawned group:
     several checks pay for one process start. Before each, Dynamo forgets the previous call's
-    graphs and the ledger its collectives (what comm_report and secondary_copy_bytes read)."""
-    results = []
-    for fn, *args in calls:
+    graphs and the ledger its collectives (what comm_report and secondary_copy_bytes read).
+
+    `calls` is a list, or a dict of scenarios by name (then the results are too). A call that
+    raises ends the group; the error names its scenario, which every test reading it shows."""
+    named = calls if isinstance(calls, dict) else {f"call {i} ({c[0].__name__})": c for i, c in enumerate(calls)}
+    results = {}
+    for name, (fn, *args) in named.items():
         _forget_compiled()
-        results.append(fn(rank, world_size, *args))
-    return results
+        try:
+            results[name] = fn(rank, world_size, *args)
+        except Exception as error:
+            raise ScenarioFailed(f"scenario {name!r} failed on rank {rank}") from error
+    return results if isinstance(calls, dict) else list(results.values())
+
+
+class ScenarioFailed(Exception):
+    """One of `in_turn`'s scenarios raised (the cause, chained, says what)."""
 
 
 def for_each_config(rank: int, world_size: int, fn: Callable[..., Any], configs: list[Any]) -> list[Any]:

@@ -104,6 +104,7 @@ def saved_shapes() -> dict:
     return run_ranks(every_mode, 2)[0]
 
 
+@pytest.mark.distributed
 def test_gpt_saves_layer_inputs_only_with_full(saved_shapes):
     b, t, d, heads, layers = PER_RANK, SEQ, GPT_CONFIG.dim, GPT_CONFIG.heads, GPT_CONFIG.layers
     residual, mlp, attention = (b, t, d), (b * t, 4 * d), (b, heads, t, d // heads)
@@ -119,6 +120,7 @@ def test_gpt_saves_layer_inputs_only_with_full(saved_shapes):
     assert full < selective < none
 
 
+@pytest.mark.distributed
 def test_llama_saves_less_with_checkpointing(saved_shapes):
     b, t, intermediate = PER_RANK, SEQ + 1, 72
     mlp = (b * t, intermediate)
@@ -146,6 +148,7 @@ def hpz_backward(rank: int, world_size: int) -> list:
     return [c for g in backward for c in g.collectives if c.op == "all_gather"]
 
 
+@pytest.mark.distributed
 def test_hpz_copy_feeds_the_recomputation():
     assert run_ranks(hpz_backward, 2) == [[], []]
 

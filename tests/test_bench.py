@@ -68,6 +68,7 @@ def qwz_gather_bytes(s: int) -> int:
     return blocks * BLOCK + 4 * blocks if s >= BLOCK else 2 * s
 
 
+@pytest.mark.distributed
 def test_every_variant_ran(bench_json):
     results = {r["name"]: r for r in bench_json["variants"]}
     on_gpu = bench_json["setup"]["device"] != "cpu"  # the CUDA-graph and DeepSpeed variants need GPUs
@@ -91,6 +92,7 @@ def test_every_variant_ran(bench_json):
     assert results["qwz"]["fsdp2_equal_memory"] in ("fsdp2", "fsdp2_bf16_reduce")
 
 
+@pytest.mark.distributed
 def test_fsdp2_bytes_follow_its_collectives(bench_json):
     # One peer on the other node; per peer and step: forward gather bf16 (2 B/element), backward
     # gather bf16 unless the weights are kept, reduce-scatter in the reduce dtype.
@@ -102,6 +104,7 @@ def test_fsdp2_bytes_follow_its_collectives(bench_json):
             assert r["inter_ratio"] == pytest.approx(expected[r["name"]] / (6 * total))
 
 
+@pytest.mark.distributed
 def test_zeropp_ledger_matches_the_shapes(bench_json):
     results = {r["name"]: r for r in bench_json["variants"]}
     sizes = shard_sizes()
@@ -154,6 +157,7 @@ def llama_json(tmp_path_factory) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.distributed
 def test_llama_runs_with_activation_checkpointing(llama_json):
     shape = LLAMA_SHAPES["llama-tiny"]
     setup = llama_json["setup"]
@@ -256,6 +260,7 @@ def released_deepspeed_engine_frees(rank: int, world_size: int) -> dict:
     return alive
 
 
+@pytest.mark.distributed
 def test_a_released_deepspeed_engine_frees_its_model_and_optimizer():
     pytest.importorskip("deepspeed")
     for alive in run_ranks(released_deepspeed_engine_frees, WORLD):
@@ -308,6 +313,7 @@ def exposed_and_peer_wait_on(rank: int, world_size: int) -> tuple[float, float]:
     return exposed_and_peer_wait(RANK_KERNELS[rank], wall_us=25.0)
 
 
+@pytest.mark.distributed
 def test_ranks_pair_their_collectives():
     assert run_ranks(exposed_and_peer_wait_on, 2) == [(7 / 25, 11 / 25), (7 / 25, 0.0)]
 
@@ -340,6 +346,7 @@ def test_a_variant_is_not_measured_on_a_replaced_linear(monkeypatch):
         require_torch_linear("zero3")
 
 
+@pytest.mark.distributed
 def test_a_stopped_launch_keeps_its_finished_rounds(tmp_path):
     kept = run_ranks(launch_stopped_in_its_second_round, WORLD, str(tmp_path / "bench.json"))[0]
     assert kept["setup"]["rounds"] == 3 and kept["setup"]["rounds_finished"] == 1

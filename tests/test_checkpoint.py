@@ -85,6 +85,7 @@ def reference() -> tuple[list[float], dict]:
     return [float(loss) for loss in losses], {k: v.cpu() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.distributed
 @needs_4_ranks
 def test_save_at_world4_load_at_world2_continues_like_uninterrupted_run(tmp_path):
     path = str(tmp_path / "checkpoint")
@@ -208,6 +209,7 @@ def safe_checkpoint_world1(rank: int, world_size: int, path: str) -> None:
             assert torch.equal(full_optim[key][name].cpu(), value.cpu()), f"{key}.{name}"
 
 
+@pytest.mark.distributed
 def test_safe_checkpoint_load_is_all_or_nothing_and_reshards(tmp_path):
     path = str(tmp_path / "checkpoint")
     run_ranks(safe_checkpoint_world2, 2, path)

@@ -18,6 +18,8 @@ from zpp_compile.explain import predict
 from zpp_compile.pass_manager import enabled_passes
 from zpp_compile.passes import PASSES
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 SCRIPT = Path(__file__).parent / "cli_train.py"
 # All three techniques, 2 ranks as 2 emulated nodes (so every byte of ZeRO-3 would cross nodes).
 PAPER = {"quantized_weights": True, "hpz_partition_size": 1, "quantized_gradients": True, "ranks_per_node": 1,

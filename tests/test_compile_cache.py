@@ -102,6 +102,7 @@ def launches(tmp_path_factory) -> tuple[list[dict], list[dict], Path]:
     return first, second, dump
 
 
+@pytest.mark.distributed
 def test_a_new_process_hits_the_cache_with_the_same_ledger_and_results(launches):
     first, second, _ = launches
     for rank in (0, 1):
@@ -121,6 +122,7 @@ def test_a_new_process_hits_the_cache_with_the_same_ledger_and_results(launches)
         assert warm["params"] == cold["params"]  # bit for bit: float32 values are exact in Python floats
 
 
+@pytest.mark.distributed
 def test_a_changed_config_misses_the_cache(launches):
     first, second, _ = launches
     for rank in (0, 1):
@@ -132,6 +134,7 @@ def test_a_changed_config_misses_the_cache(launches):
         assert int4 < int8 < 2 * int4, (int4, int8)
 
 
+@pytest.mark.distributed
 def test_a_dump_bypasses_the_cache_and_reports_what_a_cache_hit_does(launches):
     _, second, dump = launches
     for rank in (0, 1):
@@ -160,6 +163,7 @@ def shard_again(rank: int, world_size: int) -> dict:
     return {"ids": ids, "before": before, "after": after, "reported": zpp.comm_report(again).to_dict()}
 
 
+@pytest.mark.distributed
 def test_a_model_sharded_again_in_the_same_process_takes_the_gone_ones_id_and_hits_the_cache(tmp_path):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -240,7 +244,7 @@ def test_a_job_served_graphs_that_another_job_compiled_meanwhile_enters_them_all
     # Two jobs share the cache directory. Job A compiles under a new token and records its forward;
     # job B opens the record then (A's token, the forward alone); A then records its backward, whose
     # compiled code Inductor serves B: B's ledger must hold both graphs.
-    monkeypatch.setattr(compile_cache, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(compile_cache, "inductor_cache_dir", lambda: str(tmp_path))
     graph = torch.fx.symbolic_trace(nn.Linear(2, 2))
     job_a, job_b = (PassManager(zpp.Config(), topology(), graph_id) for graph_id in ("g1", "g4"))
     forward, backward = GraphComm("g1.forward", "forward", (), 7), GraphComm("g1.backward", "backward", ())
@@ -308,7 +312,7 @@ def _restart_warnings(rank: int, world_size: int) -> dict[str, list[str]]:
              "seed fixed, Python 3.11": ({"PYTHONHASHSEED": "0"}, [sharded], False)}
     seen = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compile_cache, "_dtensor_cache_keys_stable", lambda: False)  # as on torch 2.11
+        patch.setattr(compile_cache, "dtensor_cache_keys_stable", lambda: False)  # as on torch 2.11
         for case, (env, inputs, none_hash_stable) in cases.items():
             patch.setattr(compile_cache, "_none_hash_stable", lambda stable=none_hash_stable: stable)
             patch.delenv("PYTHONHASHSEED", raising=False)
@@ -321,6 +325,7 @@ def _restart_warnings(rank: int, world_size: int) -> dict[str, list[str]]:
     return seen
 
 
+@pytest.mark.distributed
 def test_a_torch_whose_cache_keys_differ_per_process_warns_to_fix_the_hash_seed_or_the_python():
     seen = run_ranks(_restart_warnings, 1)[0]
     assert len(seen["seed unset"]) == 1 and "PYTHONHASHSEED=0" in seen["seed unset"][0]

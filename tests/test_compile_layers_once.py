@@ -18,7 +18,8 @@ from models import batches
 from test_composability import no_sync_run
 from zpp_compile.backend import zeropp_backend
 from zpp_compile import config as config_module
-from zpp_compile.config import ConfigError, regions_reuse_traces
+from zpp_compile.config import ConfigError
+from zpp_compile.torch_compat import regions_reuse_traces
 from zpp_compile.sharding import _flatten_call, _unflatten_call
 
 LAYERS = 3
@@ -180,6 +181,7 @@ def compile_once_runs(rank: int, world_size: int) -> None:
 needs_region_reuse = pytest.mark.skipif(not regions_reuse_traces(), reason="this torch's regions trace every call")
 
 
+@pytest.mark.distributed
 @needs_region_reuse
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
     run_ranks(compile_once_runs, 2)

@@ -155,5 +155,6 @@ def compile_options(rank: int, world_size: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
+@pytest.mark.distributed
 def test_compile_options_override_compile_fields_and_reject_shard_fields():
     run_ranks(compile_options, 2)

@@ -14,6 +14,8 @@ from distributed import BACKEND, device, run_ranks
 from models import TinyTransformer, batches
 from training import PER_RANK
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 on_gpus = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA graphs need GPUs (ZPP_TEST_BACKEND=nccl)")
 
 WORLD = min(2, torch.cuda.device_count()) or 2  # NCCL needs a GPU per rank

@@ -40,6 +40,7 @@ def step_with_failing_peer(rank: int, world_size: int, failure: str, compiled: b
     return time.monotonic() - start, str(error.value)
 
 
+@pytest.mark.distributed
 @nccl_aborts
 @pytest.mark.parametrize("failure", ["dies", "hangs"])
 def test_failing_peer_makes_the_others_raise_within_the_timeout(failure):
@@ -52,6 +53,7 @@ def test_failing_peer_makes_the_others_raise_within_the_timeout(failure):
         assert re.search("timed? ?out", message, re.IGNORECASE), message  # gloo's own words
 
 
+@pytest.mark.distributed
 @nccl_aborts
 def test_hanging_peer_under_compile_raises_within_the_timeout():
     elapsed, message = run_ranks(step_with_failing_peer, 2, "hangs", True, timeout_s=120, reporting=[0])[0]
@@ -104,6 +106,7 @@ def mismatch_and_nonfinite(rank: int, world_size: int) -> None:
     assert not torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a scaler skips
 
 
+@pytest.mark.distributed
 def test_mismatched_config_and_nonfinite_gradients():
     run_ranks(mismatch_and_nonfinite, 2)
 
@@ -170,6 +173,7 @@ def different_collectives(rank: int, world_size: int) -> int:
     return recompiled
 
 
+@pytest.mark.distributed
 def test_ranks_about_to_run_different_collectives_raise_instead_of_aborting():
     assert run_ranks(different_collectives, 2, timeout_s=300) == [1, 0]
 
@@ -189,6 +193,7 @@ def out_of_memory_in_compile(rank: int, world_size: int) -> None:
         compiled(torch.randn(2, 8, device=device())).sum().backward()
 
 
+@pytest.mark.distributed
 def test_out_of_memory_while_compiling_names_the_stage():
     run_ranks(out_of_memory_in_compile, 1)
 

@@ -281,6 +281,7 @@ def quantize_outputs(dtype, bits, B, tile) -> list[tuple]:
     return outputs
 
 
+@pytest.mark.distributed
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
@@ -332,6 +333,7 @@ def reduce_requantize_outputs(in_bits, out_bits, B, tile) -> list[tuple]:
     return outputs
 
 
+@pytest.mark.distributed
 @needs_triton
 @pytest.mark.parametrize("in_bits,out_bits", [(4, 4), (8, 4), (4, 8), (8, 8)])
 @pytest.mark.parametrize("B,tile", BLOCK_TILE)
@@ -403,6 +405,7 @@ def persistent_loop_outputs(in_bits, out_bits, slow_chunk, l2_prefetch) -> tuple
     return recv, out, gq.qgz_reduce_requantize_ref(recv, K, 1, S, in_bits, out_bits, B)
 
 
+@pytest.mark.distributed
 @needs_triton
 @pytest.mark.parametrize("in_bits,out_bits,slow_chunk,l2_prefetch", [
     (4, 4, 32, None), (8, 8, 32, True), (8, 4, 32, None), (4, 8, 32, False), (8, 4, 1, None)])
@@ -432,6 +435,7 @@ def default_tiles_outputs(in_bits, out_bits, K, B) -> tuple:
             gq.qgz_reduce_requantize_ref(recv, K, 1, S, in_bits, out_bits, B))
 
 
+@pytest.mark.distributed
 @needs_triton
 @pytest.mark.parametrize("in_bits,out_bits,K,B", [
     (4, 4, 4, 256), (8, 8, 4, 256), (8, 4, 4, 256), (4, 8, 4, 256),   # 2 nodes x 4 ranks
@@ -484,6 +488,7 @@ def dequantize_reduce_outputs(dtype, bits, B, tile) -> list[tuple]:
     return outputs
 
 
+@pytest.mark.distributed
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
@@ -645,6 +650,7 @@ def pipeline_outputs(N, R) -> list[tuple]:
     return outputs
 
 
+@pytest.mark.distributed
 @needs_triton
 @pytest.mark.parametrize("N,R", [(2, 2), (1, 2), (2, 1)])
 def test_pipeline_triton_equals_ops(N, R, launched):

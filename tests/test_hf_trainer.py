@@ -84,6 +84,7 @@ def runs(tmp_path_factory):
     return root, reference, straight
 
 
+@pytest.mark.distributed
 def test_trainer_matches_the_unsharded_trainer(runs):
     """Gradient accumulation 2, clipping (the norm is the global one: it is logged, and it clips),
     a cosine schedule, 6 steps: the logged losses and gradient norms, the evaluation losses after
@@ -95,6 +96,7 @@ def test_trainer_matches_the_unsharded_trainer(runs):
     assert_same_state(straight["state"], reference["state"], **ADAM_FP32)
 
 
+@pytest.mark.distributed
 def test_save_model_output_loads_with_from_pretrained(runs):
     root, reference, _ = runs
     loaded = transformers.LlamaForCausalLM.from_pretrained(root / "straight" / "final")
@@ -105,6 +107,7 @@ def test_save_model_output_loads_with_from_pretrained(runs):
         torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.distributed
 def test_resume_in_fresh_processes_same_and_other_world_size(runs):
     """The step-3 checkpoint of the 2-rank run, resumed by new processes: at 2 ranks the run ends
     bit-identical to the uninterrupted one; at 1 rank (the shards resharded) it ends as the
@@ -140,6 +143,7 @@ def nan_loss_run(rank: int, world_size: int, output_dir: str, zeropp: dict | Non
     return [loss for loss, _ in history(trainer)]
 
 
+@pytest.mark.distributed
 def test_nan_losses_are_filtered_from_the_log_as_the_trainer_does(tmp_path):
     """Step 2's first micro-batch is NaN (its second is logged alone), and the NaN it puts in the
     parameters makes step 3 all NaN, logged as the mean since the last log: none."""
@@ -153,6 +157,7 @@ def test_nan_losses_are_filtered_from_the_log_as_the_trainer_does(tmp_path):
 SGD_STEPS = dict(optim="sgd", learning_rate=0.5, save_strategy="no", eval_strategy="no", max_steps=SAVE_AT)
 
 
+@pytest.mark.distributed
 @needs_4_ranks
 def test_trainer_with_qwz_hpz_qgz_on_two_nodes_stays_near_the_reference(tmp_path):
     """4 ranks as 2 nodes x 2, all three techniques: the parameters' updates within the bound the
@@ -229,6 +234,7 @@ def sft_run(rank: int, world_size: int, output_dir: str, sharded: bool) -> dict:
             "frozen": {k: v.clone() for k, v in state.items() if k.endswith("q_proj.base_layer.weight")}}
 
 
+@pytest.mark.distributed
 def test_trl_sft_trainer_trains_lora_adapters_as_the_reference(tmp_path):
     reference = run_ranks(sft_run, 1, str(tmp_path / "reference"), False)[0]
     sharded = run_ranks(sft_run, 2, str(tmp_path / "sharded"), True)[0]

@@ -13,6 +13,8 @@ from distributed import device, in_turn, run_ranks
 from models import TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, qwz_runs, saved_tensor_shapes, train, train_sharded
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 TWO_NODES = {"ranks_per_node": 2, "hpz_partition_size": 2}
 FULL_LOCAL_COPY = {"hpz_partition_size": 1}
 SMALL_BLOCKS = {"weight_block_size": 64}  # small enough that the tiny model's weights are quantized
@@ -46,8 +48,7 @@ def results():
     def of_world(world_size: int) -> list[dict]:
         if world_size not in by_world:
             calls = runs(world_size)
-            by_world[world_size] = [dict(zip(calls, returned))
-                                    for returned in run_ranks(in_turn, world_size, list(calls.values()))]
+            by_world[world_size] = run_ranks(in_turn, world_size, calls)
         return by_world[world_size]
 
     return of_world

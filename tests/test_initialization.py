@@ -231,6 +231,7 @@ def initial_values_run(rank: int, world_size: int) -> dict[str, int]:
     return meta_init_run(rank, world_size)
 
 
+@pytest.mark.distributed
 def test_meta_init_buffers_and_full_state_dicts_match_the_unsharded_model(monkeypatch):
     # glibc raises its mmap threshold as large blocks are freed, and then keeps freed blocks
     # resident, well above the memory alive. A fixed threshold returns freed blocks to the system,
@@ -303,6 +304,7 @@ def fsdp2_order_run(rank: int, world_size: int) -> None:
     torch.testing.assert_close(step(tokens), model(tokens))
 
 
+@pytest.mark.distributed
 def test_fsdp2_order_to_empty_then_the_models_own_init():
     run_ranks(fsdp2_order_run, 2)
 
@@ -330,6 +332,7 @@ def renamed_keys_run(rank: int, world_size: int) -> None:
     assert_same_state(zpp.full_state_dict(model), reference.state_dict())
 
 
+@pytest.mark.distributed
 def test_full_state_dict_takes_keys_a_module_renames():
     run_ranks(renamed_keys_run, 2)
 

@@ -20,6 +20,8 @@ from distributed import run_ranks  # noqa: E402
 from models import TinyTransformer  # noqa: E402
 from training import ADAM_FP32, LOGGED_FP32, assert_same_state  # noqa: E402
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 STEPS, SAVE_AT, MICRO_BATCHES, GLOBAL_BATCH, SEQ = 6, 3, 2, 4, 9
 DEBUG_MODE = {"inductor": False}
 

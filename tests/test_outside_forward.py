@@ -22,6 +22,8 @@ from distributed import BACKEND, device, in_turn, run_ranks
 from models import TinyTransformer, batches
 from training import PER_RANK
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 STEPS = 4  # one before the edits, three after
 LM_STEPS = 3  # the HF models' runs
 MODES = ("eager", "aot", "inductor")

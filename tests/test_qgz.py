@@ -17,6 +17,8 @@ from zpp_compile.runtime.collectives import all_to_all, all_to_all_between_nodes
 from zpp_compile.runtime.ops import reduce_grad_quantized
 from zpp_compile.runtime.topology import build_topology
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 BLOCK = 64
 SIZES = [1, 7, 4097, 33 * 17]  # 33 x 17: a 2-D weight, flattened
 TOPOLOGIES = [  # (world size, ranks per node): 2 nodes x 2, 2 nodes x 1, 1 node x 2

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zpp_compile as zpp
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 from training import needs_4_ranks, qwz_runs
+
+pytestmark = pytest.mark.distributed  # every test here starts processes
 
 
 def test_qwz_world2():

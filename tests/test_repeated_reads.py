@@ -5,6 +5,7 @@ each parameter once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,6 +15,8 @@ import zpp_compile as zpp
 from zpp_compile.ledger import PHASES
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
+
+pytestmark = pytest.mark.distributed  # every test here starts processes
 
 PER_RANK = 2
 

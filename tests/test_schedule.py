@@ -48,9 +48,10 @@ def results() -> list[dict]:
     """results[rank][name]: what each of `runs()` returned on each rank, all from one spawned
     group (a run that fails fails every test that reads this)."""
     calls = runs()
-    return [dict(zip(calls, returned)) for returned in run_ranks(in_turn, 2, list(calls.values()))]
+    return run_ranks(in_turn, 2, calls)
 
 
+@pytest.mark.distributed
 def test_bucketed_training_matches_reference(results):
     # Several buckets per layer (the other tests run with the default size: one bucket per direction).
     # train_sharded compares with the reference on each rank; each holds only its chunk.
@@ -110,6 +111,7 @@ def quantized_bucket_runs(rank: int, world_size: int) -> tuple[int, int, list, l
     return unbucketed, bucketed, kinds, calls
 
 
+@pytest.mark.distributed
 def test_buckets_change_no_bit_of_the_quantized_result(results):
     # Buckets pad each member to whole quantization blocks, so every block and its scale are
     # those of the unbucketed graph: qwZ + hpZ + qgZ give bit-identical parameters.
@@ -117,6 +119,7 @@ def test_buckets_change_no_bit_of_the_quantized_result(results):
     assert bucketed * 4 < unbucketed, (bucketed, unbucketed)
 
 
+@pytest.mark.distributed
 def test_schedule_changes_no_bit_of_the_result(results):
     # The same buckets trained with the schedule's two prefetch depths and without the schedule.
     runs = {name: run for name, run in zip(SCHEDULED_CONFIGS, results[0]["live gathers"])}
@@ -127,6 +130,7 @@ def test_schedule_changes_no_bit_of_the_result(results):
         assert all(torch.equal(value, unscheduled_state[key]) for key, value in state.items()), name
 
 
+@pytest.mark.distributed
 def test_buckets_of_small_members_stay_full_precision(results):
     _, _, kinds, _ = results[0]["quantized buckets"]
     # Quantized buckets (uint8 weight gathers and gradient exchanges: between two nodes, an
@@ -136,6 +140,7 @@ def test_buckets_of_small_members_stay_full_precision(results):
     assert ("all_gather", "torch.uint8", True) in kinds and ("reduce_scatter", "torch.float32", True) in kinds
 
 
+@pytest.mark.distributed
 def test_quantized_buckets_are_quantized_and_dequantized_in_place(results):
     # Forward quantizes the one quantized bucket (the two blocks' matrices) from its shards in
     # place and dequantizes it into its weights; backward dequantizes hpZ's INT8 copy again, in
@@ -292,6 +297,7 @@ def moduledict_step_collectives(rank: int, world_size: int) -> list[tuple[str, i
     return [(row.phase, row.intra_bytes) for row in zpp.comm_report().rows]
 
 
+@pytest.mark.distributed
 def test_blocks_in_a_module_dict_are_one_bucket_each(results):
     # Each block's weights (and gradients, in float32 as well) are exactly one bucket: 2 buckets of
     # one block's bytes per phase, and none larger (a bucket spanning two blocks would be).
@@ -467,6 +473,7 @@ def alive_by_config(results) -> list[dict[str, list[tuple[int, int, list[int]]]]
     return [{name: run[0] for name, run in zip(SCHEDULED_CONFIGS, returned["live gathers"])} for returned in results]
 
 
+@pytest.mark.distributed
 def test_prefetch_respects_the_memory_bound(alive_by_config):
     for alive in alive_by_config:
         one, two, unscheduled = alive["prefetch 1"], alive["prefetch 2"], alive["unscheduled"]
@@ -476,6 +483,7 @@ def test_prefetch_respects_the_memory_bound(alive_by_config):
         assert [n for n, _, _ in unscheduled] == [1, 1]
 
 
+@pytest.mark.distributed
 def test_by_default_two_layers_of_gathered_weights_are_in_flight(alive_by_config):
     layer_nbytes = gathered_layer_nbytes()
     for forward, backward in (alive["default"] for alive in alive_by_config):
@@ -487,6 +495,7 @@ def test_by_default_two_layers_of_gathered_weights_are_in_flight(alive_by_config
         assert forward[2] == [38 * 24 * 4] and backward[2] == [], (forward, backward)
 
 
+@pytest.mark.distributed
 def test_a_bucket_size_in_bytes_may_span_layers(alive_by_config):
     bucket_size = SCHEDULED_CONFIGS["two-layer buckets"]["bucket_size"]
     for forward, backward in (alive["two-layer buckets"] for alive in alive_by_config):
@@ -544,6 +553,7 @@ def overlapped_by_matmuls(events: list[tuple[str, str]], op: str) -> bool:
     return len(spans) > 1 and all(any(e[0] == "matmul" for e in events[a:b]) for a, b in spans)
 
 
+@pytest.mark.distributed
 def test_inductor_keeps_the_schedule():
     forward, backward = run_ranks(generated_issue_order, 2, [{"bucket_size": 30_000}])[0][0]
     gather, reduce = "all_gather_into_tensor", "reduce_scatter_tensor"

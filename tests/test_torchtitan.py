@@ -20,6 +20,8 @@ from torchtitan.models.llama3 import model_registry  # noqa: E402
 import zpp_compile as zpp  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.distributed  # every test here starts processes
+
 STEPS, PER_RANK, SEQ = 3, 2, 32
 # SGD, whose updates scale with the gradients: fp32 rounding of the sharded sums stays that small
 # (Adam divides a tiny gradient by its own scale, which can turn rounding into a full-size step).

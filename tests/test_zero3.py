@@ -18,6 +18,7 @@ from models import GraphBreakTransformer, TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["eager", "aot", "inductor"])
 def test_world2_matches_unsharded_reference(mode):
     shapes = run_ranks(train_sharded, 2, mode, {})
@@ -25,6 +26,7 @@ def test_world2_matches_unsharded_reference(mode):
     assert shapes[0]["embed.weight"] == (19, 24) and shapes[1]["embed.weight"] == (18, 24)
 
 
+@pytest.mark.distributed
 @needs_4_ranks
 @pytest.mark.parametrize("mode", ["eager", "aot"])
 def test_world4_two_nodes_matches_unsharded_reference(mode):
@@ -40,10 +42,12 @@ def graph_break_run(rank: int, world_size: int) -> int:
     return len({g.graph_name.split(".")[0] for g in zpp.REGISTRY.ledger if g.kind == "backward"})
 
 
+@pytest.mark.distributed
 def test_graph_breaks_several_graphs_per_step():
     assert all(graphs >= 3 for graphs in run_ranks(graph_break_run, 2))
 
 
+@pytest.mark.distributed
 def test_no_gathered_weight_is_saved_for_backward():
     configs = [{}, {"disable_passes": ["reshard_after_forward"]}]
     (resharded, kept), (other_rank_resharded, _) = run_ranks(for_each_config, 2, saved_tensor_shapes, configs)
@@ -77,6 +81,7 @@ def parameter_copies_saved(rank: int, world_size: int, options: dict) -> list[tu
             if storage not in shards and torch.equal(a, b) and not torch.equal(a, c)]
 
 
+@pytest.mark.distributed
 def test_forward_saves_no_copy_of_the_parameters():
     """A bucket's concatenated shards are recomputed in backward like the gather they feed."""
     configs = [{}, {"disable_passes": ["reshard_after_forward"]}]
@@ -93,6 +98,7 @@ def compile_unsharded(rank: int, world_size: int) -> str:
     return str(error.value)
 
 
+@pytest.mark.distributed
 def test_unsharded_model_is_a_clear_error():
     run_ranks(compile_unsharded, 1)
 
@@ -107,6 +113,7 @@ def shard_twice(rank: int, world_size: int) -> None:
         zpp.shard(nn.Linear(4, 4), {"ranks_per_node": 3})
 
 
+@pytest.mark.distributed
 def test_shard_errors():
     run_ranks(shard_twice, 2)
 
@@ -143,6 +150,7 @@ def bf16_runs(rank: int, world_size: int) -> float:
     return worst
 
 
+@pytest.mark.distributed
 def test_bf16_compute_compiled_matches_eager():
     worst = run_ranks(bf16_runs, 2)[0]
     print("bf16 eager vs compiled, largest relative update difference:", worst)
@@ -176,6 +184,7 @@ def block_size_timing(rank: int, world_size: int, options: dict) -> list[bool]:
     return seen
 
 
+@pytest.mark.distributed
 def test_reductions_keep_one_block_size_unless_asked():
     # Inductor would time a second block size of some reductions in every new process (a restarted
     # job included), copying large outputs to the host and back to do so.
@@ -186,6 +195,7 @@ def test_reductions_keep_one_block_size_unless_asked():
     assert asked == [True, True]
 
 
+@pytest.mark.distributed
 def test_inductor_options_reach_inductor():
     # Inductor writes a benchmark harness into its generated modules unless told not to.
     configs = [{}, {"inductor_options": {"benchmark_harness": False}}]
@@ -221,6 +231,7 @@ def compiled_input_types(rank: int, world_size: int) -> list[list[str]]:
     return seen
 
 
+@pytest.mark.distributed
 def test_compiled_graphs_take_local_shards():
     # AOTAutograd traces a DTensor input through DTensor's dispatch and collects metadata twice;
     # forward's reads (to_local, then the gather) need only the local shard.
@@ -250,5 +261,6 @@ def local_shard_gradients(rank: int, world_size: int) -> None:
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
 
 
+@pytest.mark.distributed
 def test_local_shards_hand_gradients_back_as_to_local_does():
     run_ranks(local_shard_gradients, 2)

@@ -19,10 +19,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-from torch._dynamo.backends.common import aot_autograd
-from torch._guards import CompileContext
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .compile_cache import PassCache, to_local_as_method
 from .config import Config, ConfigError
@@ -35,6 +31,10 @@ from .runtime.collectives import gathers_into_given_output
 from .runtime.cuda_graphs import graphed_inner_compile
 from .runtime.ops import gather_param_args
 from .runtime.registry import REGISTRY, ShardingState
+from .torch_compat import (
+    INVOKE_SUBGRAPH, NN_MODULE_STACK, CustomGraphPass, aot_autograd, compile_fx, compile_fx_inner, dynamo_frame_id,
+    inductor_mode_options,
+)
 
 
 def zeropp_backend(
@@ -58,10 +58,10 @@ def zeropp_backend(
         config = Config.load(dict(options or {}))
         return compile_fx(gm, example_inputs) if config.inductor else _aot_eager(gm, example_inputs, None)
     config = state.config.for_compilation(options, state.topology.ranks_per_node) if options else state.config
-    # Buckets keep to layer boundaries only when sized by layer; a size in bytes may span layers.
-    layers = state.layers if config.bucket_size == "layer" else ()
+    buckets_within_layers = config.bucket_size == "layer"
     config = config.with_layer_size(state.layer_nbytes)
-    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", layers, _dynamo_frame(), passes)
+    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", state.layers, dynamo_frame_id(),
+                          passes, buckets_within_layers)
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     to_local_as_method(gm)
     example_inputs, shard_positions = local_shard_inputs(gm, example_inputs)
@@ -124,7 +124,7 @@ def _mode_options(mode: str, config: Config) -> dict[str, Any]:
     model's `inductor_options`, and its CUDA graphs (reduce-overhead, max-autotune) as zeropp's
     own, which watch their collectives (`Config.cuda_graphs`)."""
     try:
-        settings = dict(torch._inductor.list_mode_options(mode))
+        settings = inductor_mode_options(mode)
     except RuntimeError as error:
         raise ConfigError(f"torch.compile(..., backend='zeropp', mode={mode!r}): {error}") from None
     if not config.inductor:
@@ -135,12 +135,6 @@ def _mode_options(mode: str, config: Config) -> dict[str, Any]:
     if cuda_graphs:
         options["cuda_graphs"] = True
     return options
-
-
-def _dynamo_frame() -> int | None:
-    """The id of the Python frame Dynamo is compiling (the same for each recompilation of it)."""
-    compile_id = CompileContext.current_compile_id()
-    return compile_id.frame_id if compile_id is not None else None
 
 
 def _check_on_cuda(example_inputs: Sequence[Any]) -> None:
@@ -209,7 +203,7 @@ def _inline_gathers(gm: fx.GraphModule) -> None:
     graph: Dynamo traced them once, in a compile region reused for identical layers, but the
     passes act on each gather in the step's graph."""
     calls = [
-        node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+        node for node in gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)
         if getattr(gm, node.args[0].target).graph.find_nodes(op="call_function", target=torch.ops.zpp.all_gather_param)
     ]
     bodies = {call.args[0].target for call in calls}
@@ -238,11 +232,11 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node) -> None:
             copies[attr] = gm.graph.get_attr(name)
         outputs = gm.graph.graph_copy(body.graph, copies)
     # The body was traced for one layer and serves all: each copy belongs to the calling layer.
-    stack = call.meta.get("nn_module_stack")
+    stack = call.meta.get(NN_MODULE_STACK)
     for node in body.graph.nodes:
         copy = copies.get(node)
         if stack is not None and isinstance(copy, fx.Node) and node.op == "call_function":
-            copy.meta["nn_module_stack"] = stack
+            copy.meta[NN_MODULE_STACK] = stack
     for user in list(call.users):
         if user.op == "call_function" and user.target is operator.getitem:
             user.replace_all_uses_with(outputs[user.args[1]])

@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.fx as fx
-from torch._inductor.runtime.runtime_utils import cache_dir
 from torch.distributed.tensor import DTensor
 
 from .ledger import GraphComm
+from .torch_compat import DYNAMO_TO_LOCAL_CLOSURE, dtensor_cache_keys_stable, inductor_cache_dir, inductor_config
 
 if TYPE_CHECKING:
     from .pass_manager import PassManager
@@ -102,7 +101,7 @@ def to_local_as_method(gm: fx.GraphModule) -> None:
 
 
 def _argumentless_to_local(target: Any) -> bool:
-    if getattr(target, "__name__", None) != "prim_to_local" or not getattr(target, "__closure__", None):
+    if getattr(target, "__name__", None) != DYNAMO_TO_LOCAL_CLOSURE or not getattr(target, "__closure__", None):
         return False
     captured = dict(zip(target.__code__.co_freevars, (cell.cell_contents for cell in target.__closure__)))
     return not any(captured.values())
@@ -149,7 +148,7 @@ class PassCache:
         warn_if_restarts_retrace(example_inputs)
         key = passes_key(manager)
         record_name = hashlib.sha256((key + _graph_key(gm, example_inputs)).encode()).hexdigest()
-        path = Path(cache_dir()) / "zeropp" / f"{record_name}.json"
+        path = Path(inductor_cache_dir()) / "zeropp" / f"{record_name}.json"
         record = _read_record(path)
         token = record["token"] if record else secrets.token_hex(8)
         return cls(f"zeropp-{key}-{token}", path)
@@ -187,7 +186,7 @@ def warn_if_restarts_retrace(example_inputs: Sequence[Any]) -> None:
     cache in every new process where the hash is randomized: unless PYTHONHASHSEED is fixed, and
     before Python 3.12 whatever it is (the mesh's hash covers None fields, and hash(None) was the
     object's address)."""
-    if _dtensor_cache_keys_stable() or not any(isinstance(x, DTensor) for x in example_inputs):
+    if dtensor_cache_keys_stable() or not any(isinstance(x, DTensor) for x in example_inputs):
         return
     retraces = (f"torch {torch.__version__} keys AOTAutograd's cache on a per-process hash of the sharded "
                 "parameters' device mesh, so a restarted job traces and partitions the whole step again "
@@ -199,10 +198,6 @@ def warn_if_restarts_retrace(example_inputs: Sequence[Any]) -> None:
     elif os.environ.get("PYTHONHASHSEED", "random") == "random":
         warnings.warn(f"{retraces}; launch with a fixed PYTHONHASHSEED (e.g. `PYTHONHASHSEED=0 torchrun ...`) "
                       "or use a torch with stable DTensor cache keys (2.13 has them)", stacklevel=2)
-
-
-def _dtensor_cache_keys_stable() -> bool:
-    return hasattr(DTensor, "_stable_hash_for_caching")
 
 
 def _none_hash_stable() -> bool:

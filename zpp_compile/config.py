@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import inspect
 import json
 import math
 import os
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from .torch_compat import inductor_config, regions_reuse_traces
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
@@ -57,12 +58,6 @@ _MAX_TIMEOUT_S = 365 * 24 * 3600.0
 # Every other field is read when a graph is compiled and may be overridden per compilation.
 SHARD_FIELDS = ("hpz_partition_size", "ranks_per_node", "param_dtype", "reduce_dtype", "collective_timeout_s",
                 "compile_layers_once", "leaf_modules")
-
-
-def regions_reuse_traces() -> bool:
-    """Whether this torch's nested compile regions reuse one trace for identical calls (the torch
-    versions that do cap those reuses with `max_reuse_entries`)."""
-    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
 
 
 class ConfigError(ValueError):
@@ -121,7 +116,7 @@ class Config:
     # default; a number of bytes: buckets of up to that size, across layers (fewer, larger
     # collectives where the link needs large messages); 0: one collective per parameter. Every
     # bucket costs the host a fixed time (collective launch, quantize and dequantize calls),
-    # which cuda_graphs takes off the step (PERFORMANCE.md).
+    # which cuda_graphs takes off the step (docs/performance.md).
     bucket_size: int | str = "layer"
     prefetch: int = 1
     # Compilation and debugging.
@@ -189,7 +184,7 @@ class Config:
         if self.compile_layers_once and not regions_reuse_traces():
             raise ConfigError(
                 f"Config.compile_layers_once=True needs a torch whose torch.compiler.nested_compile_region traces a "
-                f"region once and reuses that trace for identical layers (torch 2.13 or later); torch "
+                f"region once and reuses that trace for identical layers (torch 2.12 or later); torch "
                 f"{torch.__version__} traces every call, which makes compilation slower, not faster; upgrade torch "
                 "or drop compile_layers_once"
             )
@@ -334,8 +329,6 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
 
 def _inductor_options(value: Any) -> tuple[tuple[str, Any], ...]:
     """Inductor settings as sorted (name, value) pairs (hashable, like the rest of Config)."""
-    import torch._inductor.config as inductor_config
-
     items = value.items() if isinstance(value, Mapping) else value
     try:
         pairs = tuple(sorted((str(k), v) for k, v in items))

@@ -25,6 +25,7 @@ import torch.fx as fx
 from .ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, zeropp_groups
 from .runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
 from .runtime.topology import Topology
+from .torch_compat import C10D_FUNCTIONAL, OpOverload
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def op_name(node: fx.Node) -> str:
     """'aten.mm.default', 'zpp.quantize_weight.default', ...; placeholders and outputs by kind."""
     if node.op != "call_function":
         return node.op
-    if isinstance(node.target, torch._ops.OpOverload):
+    if isinstance(node.target, OpOverload):
         return str(node.target)
     return getattr(node.target, "__name__", str(node.target))
 
@@ -122,7 +123,7 @@ class GraphDump:
     def _schedule(self, graph_name: str, graph: fx.Graph) -> str:
         """One line per collective issued and waited on, one per run of compute between them."""
         records = collectives_by_node(graph, self.topology)
-        wait = torch.ops._c10d_functional.wait_tensor.default
+        wait = C10D_FUNCTIONAL.wait_tensor.default
         lines = [f"# {graph_name}: graph order of compute and communication (node index: event)"]
         index = {node: i for i, node in enumerate(graph.nodes)}
         run: list[int] = []

@@ -26,6 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .torch_compat import in_autograd_backward
+
 
 class ForwardScope:
     """How many forwards of one sharded model are running now."""
@@ -41,7 +43,7 @@ class ForwardScope:
 
     def gathers(self) -> bool:
         """Whether a parameter read now gathers the weight (else it is the shard)."""
-        return torch.compiler.is_compiling() or self.depth > 0 or _in_backward()
+        return torch.compiler.is_compiling() or self.depth > 0 or in_autograd_backward()
 
 
 def attach_to_model(model: nn.Module, scope: ForwardScope) -> None:
@@ -69,7 +71,3 @@ def counting_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     return counted
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread. torch has no public API for
-    it; the graph task id is what autograd's own engine uses to tell (-1 outside backward)."""
-    return torch._C._current_graph_task_id() != -1

@@ -18,8 +18,9 @@ import torch.fx as fx
 from .passes.fx_util import backward_nodes
 from .runtime.collectives import ALL_GATHERS
 from .runtime.topology import Group, Topology
+from .torch_compat import C10D_FUNCTIONAL
 
-_c10d = torch.ops._c10d_functional
+_c10d = C10D_FUNCTIONAL
 _OPS = {
     **{gather: "all_gather" for gather in ALL_GATHERS},
     _c10d.reduce_scatter_tensor.default: "reduce_scatter",

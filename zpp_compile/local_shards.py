@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
+from .torch_compat import EXAMPLE_VALUE, dtensor_parts, dtensor_with_spec
+
 
 def local_shard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], tuple[int, ...]]:
     """Rewrites `gm` to take, for each DTensor input read only through `to_local()` (as the method
@@ -32,11 +34,11 @@ def local_shard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
             continue
         # Dynamo's fake of the local tensor, from the fake mode AOTAutograd traces in, with
         # requires_grad as `LocalShards` gives it at run time.
-        local = reads[0].meta["example_value"]
+        local = reads[0].meta[EXAMPLE_VALUE]
         for read in reads:
             read.replace_all_uses_with(node)
             gm.graph.erase_node(read)
-        node.meta["example_value"] = inputs[position] = local
+        node.meta[EXAMPLE_VALUE] = inputs[position] = local
         positions.append(position)
     if positions:
         gm.recompile()
@@ -61,17 +63,17 @@ class LocalShards(torch.autograd.Function):
     """`[p.to_local() for p in params]` as one autograd node: each gradient goes back to its
     parameter as a DTensor with the parameter's sharding.
 
-    Built with DTensor's own constructor on a copy of the parameter's spec, as `to_local()`'s
-    backward builds it when the gradient is laid out as the shard: that backward goes through
-    `DTensor.from_local`, the public way, which checks its arguments and builds a new spec, about
-    five times the cost per parameter and step."""
+    Each gradient is built on a copy of the parameter's spec, as `to_local()`'s backward builds it
+    when the gradient is laid out as the shard, but without that backward's checks
+    (`torch_compat.dtensor_with_spec`)."""
 
     @staticmethod
     def forward(ctx: Any, *params: DTensor) -> tuple[torch.Tensor, ...]:
-        ctx.specs = [p._spec for p in params]
-        ctx.strides = [p._local_tensor.stride() for p in params]
+        parts = [dtensor_parts(p) for p in params]
+        ctx.specs = [spec for _, spec in parts]
+        ctx.strides = [local.stride() for local, _ in parts]
         # A fresh tensor for each: autograd records its history on the object returned.
-        shards = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+        shards = tuple(local.view_as(local) for local, _ in parts)
         ctx.mark_non_differentiable(*(s for s, p in zip(shards, params) if not p.requires_grad))
         ctx.set_materialize_grads(False)
         return shards
@@ -79,7 +81,7 @@ class LocalShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
         # A spec of its own for each gradient, as torch gives every DTensor it makes.
-        return tuple(None if grad is None else DTensor(_laid_out(grad, stride), copy.copy(spec), requires_grad=False)
+        return tuple(None if grad is None else dtensor_with_spec(_laid_out(grad, stride), copy.copy(spec))
                      for grad, spec, stride in zip(grads, ctx.specs, ctx.strides))
 
 

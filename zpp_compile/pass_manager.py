@@ -8,8 +8,6 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.fx as fx
-from torch._dynamo.utils import dynamo_timed
-from torch._logging import trace_structured
 
 from .config import Config
 from .dump import GraphDump
@@ -19,6 +17,7 @@ from .passes.fx_util import is_backward, nodes_calling
 from .runtime.ops import gather_param_args
 from .runtime.registry import REGISTRY
 from .runtime.topology import Topology
+from .torch_compat import OpOverload, dynamo_timed, trace_structured
 
 log = logging.getLogger(__name__)  # TORCH_LOGS="+zpp_compile" shows it
 
@@ -42,7 +41,7 @@ def _naming_pass_on_oom(pass_name: str, graph_name: str) -> Iterator[None]:
 
 
 def _is_zeropp_op(target: object) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "zpp"
+    return isinstance(target, OpOverload) and target.namespace == "zpp"
 
 
 class PassManager:
@@ -50,9 +49,11 @@ class PassManager:
     (`PASSES`) unless the backend was given others."""
 
     def __init__(self, config: Config, topology: Topology, graph_id: str, layers: tuple[str, ...] = (),
-                 frame: int | None = None, passes: Sequence[GraphPass] = PASSES) -> None:
+                 frame: int | None = None, passes: Sequence[GraphPass] = PASSES,
+                 buckets_within_layers: bool = True) -> None:
         config = config.with_environment()  # ZEROPP_DUMP_DIR, ZEROPP_DISABLE_PASSES
         self.config, self.topology, self.graph_id, self.layers = config, topology, graph_id, layers
+        self.buckets_within_layers = buckets_within_layers
         self.frame = frame  # the Python frame Dynamo compiles (GraphComm.frame)
         self.passes = enabled_passes(config, passes)
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
@@ -76,7 +77,8 @@ class PassManager:
             self.run("joint", graph)
         self.joint_done = self.joint_done or stage == "joint"
         kind = "joint" if stage == "joint" else ("backward" if is_backward(graph) else "forward")
-        ctx = PassContext(self.config, self.topology, f"{self.graph_id}.{kind}", kind, self.layers)
+        ctx = PassContext(self.config, self.topology, f"{self.graph_id}.{kind}", kind, self.layers,
+                          self.buckets_within_layers)
         self.model = self.model or self._sharded_model(graph)
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
             before = self.dump.snapshot(graph) if self.dump else None

@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.nn.utils.stateless import _reparametrize_module
 
-from .config import Config, ConfigError, regions_reuse_traces
+from .config import Config, ConfigError
 from . import leaf_modules
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .grad_sync import GatherArgs, gather_local_shard, gathered_weight, local_shard
@@ -38,6 +37,7 @@ from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
 from .runtime.registry import REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
+from .torch_compat import TO_EMPTY_CONVERSION, reparametrize_module, regions_reuse_traces
 
 
 @dataclass(frozen=True)
@@ -487,7 +487,7 @@ def _layer_compute(layer: nn.Module, positional: int, layout: str, *values: Any)
     A pure function of its tensors, so that Dynamo traces it for the first layer and reuses that
     trace for every identical one (it refuses reuse for a region with side effects, such as
     setting the weights on the modules): the weights are swapped in and back by
-    `_reparametrize_module` (torch.func.functional_call's, which Dynamo knows to restore; the
+    `torch_compat.reparametrize_module` (torch.func.functional_call's, which Dynamo knows to restore; the
     public function would call the layer's hooks a second time), and the modules' gathering
     properties return them. Run eagerly it is a plain call."""
     holders = _holders(layer)
@@ -501,17 +501,13 @@ def _compute_with(
     args: tuple, kwargs: dict,
 ) -> Any:
     """`layer`'s own forward with each module of `holders` holding its next `weights` in place of
-    its shards. One module per `_reparametrize_module`: Dynamo disregards the swap of the
+    its shards. One module per `reparametrize_module`: Dynamo disregards the swap of the
     `_parameters` of the module it is given, not of that module's children."""
     if not holders:
         return type(layer)._zpp_compute(layer, *args, **kwargs)
     (module, names), rest = holders[0], holders[1:]
-    with _reparametrize_module(module, dict(zip(names, weights))):
+    with reparametrize_module(module, dict(zip(names, weights))):
         return _compute_with(layer, rest, weights[len(names):], args, kwargs)
-
-
-# The conversion nn.Module.to_empty() applies, known by its name (torch gives it no other mark).
-_TO_EMPTY = "Module.to_empty.<locals>.<lambda>"
 
 
 def _apply_to_shards(
@@ -549,7 +545,7 @@ def _apply_to_shards(
         dtype = REGISTRY.states[layout.sharding_id].config.param_dtype or module._parameters[name].dtype
         layouts[name] = dataclasses.replace(layout, dtype=dtype)
     _set_layouts(module, layouts)
-    if getattr(fn, "__qualname__", "") == _TO_EMPTY:
+    if getattr(fn, "__qualname__", "") == TO_EMPTY_CONVERSION:
         await_initialization(list(shards.values()), REGISTRY.params[next(iter(shards.values()))])
     return out
 

@@ -92,7 +92,7 @@ class ZeroppTrainerMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # The Trainer's NaN/Inf filter of logged losses asks the host whether each micro-batch's
         # loss is finite, which waits for the GPU every micro-batch: the host then starts each
-        # forward's launches with the GPU idle (measured in PERFORMANCE.md). `training_step`
+        # forward's launches with the GPU idle (measured in docs/performance.md). `training_step`
         # applies the same filter on the GPU instead.
         self._zeropp_filters_losses, self.args.logging_nan_inf_filter = self.args.logging_nan_inf_filter, False
         try:

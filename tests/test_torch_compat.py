@@ -1,0 +1,325 @@
+"""The contract with torch: each private API, hook, config key and node meta key that zeropp
+reaches through `zpp_compile.torch_compat` exists and behaves as zeropp relies on.
+
+Seconds in all, one process, no ranks: a torch upgrade that moves one of them fails here, by name,
+instead of deep inside a compilation. Graphs are traced with stand-in compilers (nothing is
+lowered to kernels); DTensors live on a fake process group of two ranks in this process.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zpp_compile import torch_compat as tc
+from zpp_compile.backend import _StageHook
+from zpp_compile.runtime.collectives import ALL_GATHERS
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A 1-D mesh of two ranks on a fake process group (collectives do nothing), this process rank 0."""
+    assert not dist.is_initialized(), "another test left a process group in this process"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield init_device_mesh("cpu", (2,))
+    dist.destroy_process_group()
+
+
+def dynamo_graph(fn, *args) -> fx.GraphModule:
+    """The graph Dynamo gives a backend for fn(*args)."""
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def aot_graphs(fn, *args, partition_fn=None) -> dict[str, fx.GraphModule]:
+    """The forward and backward graphs AOTAutograd gives its compilers for fn(*args), after
+    `partition_fn` (the min-cut partitioner by default) split the joint graph."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+
+    graphs = {}
+
+    def compiler(name):
+        def compile_(gm, _inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+        return compile_
+
+    torch._dynamo.reset()
+    backend = tc.aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                              partition_fn=partition_fn or min_cut_rematerialization_partition)
+    torch.compile(fn, backend=backend, fullgraph=True)(*args).sum().backward()
+    return graphs
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def test_inductor_entry_points_take_what_the_backend_passes():
+    compile_fx = inspect.signature(tc.compile_fx).parameters
+    assert {"config_patches", "inner_compile"} <= compile_fx.keys()
+    # runtime.cuda_graphs reads these keyword arguments of the inner compile.
+    from torch._inductor.compile_fx import _CompileFxKwargs
+    assert {tc.INNER_COMPILE_IS_BACKWARD, tc.INNER_COMPILE_CUDAGRAPHS} <= _CompileFxKwargs.__annotations__.keys()
+    assert {"__call__", "uuid"} <= tc.CustomGraphPass.__abstractmethods__
+    _StageHook(None, "joint", None).uuid()  # the hook zeropp installs is instantiable (abstract methods met)
+
+
+def test_inductor_config_keys_zeropp_sets_or_reads_exist():
+    known = tc.inductor_config.get_config_copy()  # what Config.inductor_options is checked against
+    patched = ("joint_custom_post_pass", "post_grad_custom_pre_pass", "dynamic_scale_rblock", "reorder_for_peak_memory",
+               "allow_buffer_reuse", "inplace_buffers", "triton.cudagraphs")
+    assert [key for key in patched if key not in known] == []
+    with tc.inductor_config.patch(dict.fromkeys(patched[2:], False)):  # compile_fx's config_patches do this
+        pass
+    for key in ("force_disable_caches", "fx_graph_cache", "fx_graph_remote_cache"):  # read by compile_cache
+        assert hasattr(tc.inductor_config, key), key
+    assert isinstance(tc.inductor_cache_dir(), str)
+
+
+def test_mode_options_name_cuda_graphs_and_refuse_unknown_modes():
+    assert tc.inductor_mode_options("reduce-overhead").get("triton.cudagraphs") is True
+    with pytest.raises(RuntimeError):  # zeropp's backend turns this error into a ConfigError
+        tc.inductor_mode_options("no-such-mode")
+
+
+def test_dynamo_marks_nodes_with_module_stack_and_example_value_and_frame_id():
+    frames = []
+
+    def backend(gm, _inputs):
+        frames.append(tc.dynamo_frame_id())
+        return gm
+
+    block = Block()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend)
+    compiled(torch.randn(2, 4))
+    compiled(torch.randn(3, 5, 4))  # a new rank: the same frame compiled again
+    assert len(frames) == 2 and frames[0] == frames[1] and isinstance(frames[0], int)
+    assert tc.dynamo_frame_id() is None  # outside a compilation
+
+    graph = dynamo_graph(block, torch.randn(2, 4))
+    linear = next(n for n in graph.graph.nodes if n.op == "call_module" or n.target is torch._C._nn.linear)
+    assert "linear" in str(linear.meta[tc.NN_MODULE_STACK])
+    assert isinstance(next(iter(graph.graph.find_nodes(op="placeholder"))).meta[tc.EXAMPLE_VALUE], torch.Tensor)
+
+
+def test_aot_graphs_carry_values_backward_module_stacks_and_obey_recompute_marks():
+    x = torch.randn(2, 4, requires_grad=True)
+    graphs = aot_graphs(Block(), x)
+    backward = graphs["backward"].graph
+    assert all(isinstance(n.meta["val"], torch.Tensor) for n in backward.find_nodes(op="placeholder"))
+    assert any(tc.FWD_NN_MODULE_STACK in n.meta or tc.NN_MODULE_STACK in n.meta for n in backward.nodes
+               if n.op == "call_function")
+    assert any(tc.node_module_stack(n) for n in backward.nodes if n.op == "call_function")
+
+    # The partitioner obeys the recompute mark zeropp's passes put on a joint graph's node.
+    from functorch.compile import min_cut_rematerialization_partition
+
+    def recompute_tanh(joint, inputs, **kwargs):
+        for node in joint.graph.find_nodes(op="call_function", target=aten.tanh.default):
+            node.meta[tc.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    graphs = aot_graphs(Block(), x, partition_fn=recompute_tanh)
+    assert graphs["backward"].graph.find_nodes(op="call_function", target=aten.tanh.default), \
+        "a tanh marked MUST_RECOMPUTE was not recomputed in backward"
+
+
+def test_compile_fx_marks_user_visible_outputs_before_inner_compile():
+    seen = []
+
+    def inner_compile(gm, example_inputs, **kwargs):
+        output = next(iter(reversed(gm.graph.nodes)))
+        seen.append((tc.is_inner_compile_of_backward(kwargs), output.meta.get(tc.USER_VISIBLE_OUTPUTS)))
+        from functorch.compile import make_boxed_func
+        return make_boxed_func(gm)
+
+    def backend(gm, inputs):
+        return tc.compile_fx(gm, inputs, inner_compile=inner_compile)
+
+    torch._dynamo.reset()
+    torch.compile(Block(), backend=backend)(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert [backward for backward, _ in seen] == [False, True]
+    assert all(outputs is not None for _, outputs in seen), seen
+
+
+def test_inductor_reads_the_stride_mark():
+    import torch._inductor.graph as inductor_graph  # where Inductor realizes a marked node with its strides
+
+    assert f'"{tc.REALIZE_TO_STRIDES}"' in inspect.getsource(inductor_graph)
+
+
+def test_nested_compile_region_calls_are_invoke_subgraph():
+    if not tc.regions_reuse_traces():
+        pytest.skip("this torch's nested compile regions trace every call")
+    assert "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+    @torch.compiler.nested_compile_region
+    def region(x):
+        return x.sin() + 1
+
+    graph = dynamo_graph(lambda x: region(region(x)), torch.randn(3))
+    calls = graph.graph.find_nodes(op="call_function", target=tc.INVOKE_SUBGRAPH)
+    assert len(calls) == 2 and calls[0].args[0].target == calls[1].args[0].target  # one body, reused
+
+
+def test_functional_collectives_zeropp_issues_exist():
+    for name in ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor",
+                 "all_to_all_single", "wait_tensor"):
+        assert hasattr(tc.C10D_FUNCTIONAL, name), name
+    assert all(isinstance(op, tc.OpOverload) for op in ALL_GATHERS)
+
+
+def test_operator_schemas_tell_in_place_and_random_ops():
+    assert tc.mutates_arguments(aten.add_.Tensor) and not tc.mutates_arguments(aten.add.Tensor)
+    assert not tc.mutates_arguments(torch.add)  # a Python function, not an operator
+    names = [a.name for a in tc.op_arguments(aten._scaled_dot_product_flash_attention_for_cpu.default)]
+    assert "dropout_p" in names  # checkpoint_activations tells random attention by it
+    assert tc.cuda_graph_unsafe_tags() == () or all(isinstance(t, torch.Tag) for t in tc.cuda_graph_unsafe_tags())
+
+
+def test_autograd_backward_is_detected_only_inside_backward():
+    inside = []
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: inside.append(tc.in_autograd_backward()))
+    assert not tc.in_autograd_backward()
+    y.sum().backward()
+    assert inside == [True]
+
+
+def test_reparametrize_module_swaps_and_restores_parameters():
+    block = Block()
+    weight = block.linear.weight
+    stand_in = torch.zeros_like(weight)
+    with tc.reparametrize_module(block.linear, {"weight": stand_in}):
+        assert block.linear.weight is stand_in
+    assert block.linear.weight is weight
+
+
+def test_to_empty_hands_apply_the_conversion_zeropp_recognizes():
+    seen = []
+    block = Block()
+    original = nn.Module._apply
+
+    def apply(module, fn, *args, **kwargs):
+        seen.append(getattr(fn, "__qualname__", ""))
+        return original(module, fn, *args, **kwargs)
+
+    nn.Module._apply = apply
+    try:
+        block.to_empty(device="cpu")
+    finally:
+        nn.Module._apply = original
+    assert seen and seen[0] == tc.TO_EMPTY_CONVERSION
+
+
+def test_dtensor_parts_and_spec_constructor(mesh):
+    local = torch.randn(2, 3)
+    param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)]))
+    got_local, spec = tc.dtensor_parts(param)
+    assert torch.equal(got_local, local)
+    assert spec.placements == (Shard(0),) and tuple(spec.shape) == (4, 3)
+    grad = tc.dtensor_with_spec(torch.ones(2, 3), spec)
+    assert isinstance(grad, DTensor) and grad.placements == (Shard(0),) and grad.shape == (4, 3)
+    assert not grad.requires_grad
+    assert isinstance(tc.dtensor_cache_keys_stable(), bool)
+
+
+def test_dynamo_reads_a_dtensor_shard_as_to_local_or_the_known_closure(mesh):
+    param = nn.Parameter(DTensor.from_local(torch.randn(2, 3), mesh, [Shard(0)]))
+    graph = dynamo_graph(lambda p: p.to_local() * 2, param)
+    reads = [n for n in graph.graph.nodes if n.op == "call_method" and n.target == "to_local"
+             or n.op == "call_function" and getattr(n.target, "__name__", None) == tc.DYNAMO_TO_LOCAL_CLOSURE]
+    assert len(reads) == 1, graph.graph
+
+
+def test_fake_mode_and_decompositions_for_traced_replacements():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        value = torch.empty(2)
+    assert tc.detect_fake_mode([value]) is mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(torch.addr, decomposition_table=tc.select_decomp_table())(torch.ones(2, 2), torch.ones(2),
+                                                                              torch.ones(2))
+    assert not traced.graph.find_nodes(op="call_function", target=aten.addr.default)  # decomposed
+
+
+def test_compile_time_and_trace_hooks_take_zeropp_arguments():
+    with tc.dynamo_timed("zeropp.contract_test"):
+        pass
+    inspect.signature(tc.trace_structured).bind("artifact", metadata_fn=dict, payload_fn=str)
+
+
+def private_torch_uses(path) -> list[str]:
+    """The private torch names a source file's code (not its strings or comments) reaches: a
+    `_name` in a `from torch... import` statement or in a `torch.` attribute chain, and DTensor's
+    and an operator's private fields."""
+    import tokenize
+
+    def private(names: list[str]) -> list[str]:
+        return [name for name in names if name.startswith("_") and not name.endswith("__")]
+
+    found = []
+    statement: list[tokenize.TokenInfo] = []
+    for token in tokenize.generate_tokens(open(path).readline):
+        if token.type not in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            if token.type in (tokenize.NAME, tokenize.OP):
+                statement.append(token)
+            continue
+        words = [t.string for t in statement]
+        if words[:2] == ["from", "torch"] or words[:2] == ["import", "torch"]:
+            found += [f"{path}:{statement[0].start[0]}: {name}" for name in private(words)]
+        else:
+            for i, word in enumerate(words):
+                if word == "torch" and (i == 0 or words[i - 1] != "."):
+                    chain = []
+                    while i + 2 < len(words) and words[i + 1] == ".":
+                        chain.append(words[i + 2])
+                        i += 2
+                    found += [f"{path}:{statement[0].start[0]}: torch.{name}" for name in private(chain)]
+                elif word == "." and i + 1 < len(words) and words[i + 1] in FIELDS:
+                    found.append(f"{path}:{statement[0].start[0]}: .{words[i + 1]}")
+        statement = []
+    return found
+
+
+FIELDS = ("_local_tensor", "_spec", "_schema")  # DTensor's and an operator's private fields
+
+
+def test_private_torch_apis_are_reached_only_through_torch_compat():
+    import pathlib
+
+    import zpp_compile
+
+    root = pathlib.Path(zpp_compile.__file__).resolve().parent.parent
+    sources = [p for folder in ("zpp_compile", "passes", "runtime") for p in sorted((root / folder).rglob("*.py"))]
+    assert len(sources) > 30
+    uses = [use for path in sources if path.name != "torch_compat.py" for use in private_torch_uses(path)]
+    assert uses == [], "private torch APIs outside zpp_compile/torch_compat.py (move them there, with why)"
+    assert private_torch_uses(root / "zpp_compile" / "torch_compat.py")  # the scan sees them where they are

@@ -1,0 +1,157 @@
+"""Every private torch API zeropp uses, and every check of what the installed torch can do.
+
+zeropp is a torch.compile backend, and some of what it needs torch offers only privately: how
+Inductor is entered and configured, Dynamo's and AOTAutograd's bookkeeping, DTensor's internals.
+All of it is reached through this module, each name with why, so that a torch upgrade that moves
+one breaks here, by name, and `tests/test_torch_compat.py` (seconds, no process group) says which.
+Where torch's behaviour differs between the versions zeropp runs on, a feature check below asks
+the installed torch what it does; nothing compares version strings.
+
+Graph node meta keys read or written by the passes: "val" (the fake value of a node, FX's
+convention that every torch graph pass relies on), and those torch gives meaning to, named here:
+the module stacks Dynamo records (`NN_MODULE_STACK`, and `FWD_NN_MODULE_STACK` on backward
+nodes), the partitioner's recompute policy (`RECOMPUTE`), Inductor's stride pinning
+(`REALIZE_TO_STRIDES`), the user-visible outputs compile_fx marks (`USER_VISIBLE_OUTPUTS`), and
+Dynamo's `EXAMPLE_VALUE`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+# Inductor, entered as a custom backend does. Public torch.compile hands a backend no way to
+# patch Inductor's config for one compilation (the pass hooks, per-graph settings) or to wrap
+# its inner compile (CUDA graphs); these are the functions torch's own backends call.
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: F401  (re-exported)
+# The interface Inductor's custom-pass hooks take, with the uuid() its caches key on.
+from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: F401
+# Checking Config.inductor_options' names and whether Inductor's caches are on; the caches'
+# folder, where the communication ledger's record of a cached graph goes.
+from torch._inductor import config as inductor_config  # noqa: F401
+from torch._inductor.runtime.runtime_utils import cache_dir as inductor_cache_dir  # noqa: F401
+# Debug mode: the passes under AOTAutograd without Inductor (how torch builds such backends).
+from torch._dynamo.backends.common import aot_autograd  # noqa: F401
+# Replacement subgraphs are traced with Inductor's decompositions and the graph's own fake mode,
+# as Inductor's passes trace theirs.
+from torch._inductor.decomposition import select_decomp_table  # noqa: F401
+from torch._guards import detect_fake_mode  # noqa: F401
+# Which Python frame a graph was compiled for (dynamo_frame_id).
+from torch._guards import CompileContext
+# Each pass's time in torch's compile-time report, its graph in TORCH_TRACE (tlparse).
+from torch._dynamo.utils import dynamo_timed  # noqa: F401
+from torch._logging import trace_structured  # noqa: F401
+# With compile_layers_once, a layer's gathered weights stand in for its shards inside its compile
+# region the way Dynamo knows to undo (torch.func.functional_call's own swap; calling
+# functional_call would run the layer's hooks a second time).
+from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
+
+NN_MODULE_STACK = "nn_module_stack"
+FWD_NN_MODULE_STACK = "fwd_nn_module_stack"
+RECOMPUTE = "recompute"  # a torch.utils.checkpoint.CheckpointPolicy the min-cut partitioner obeys
+REALIZE_TO_STRIDES = "inductor_realize_to_strides"
+USER_VISIBLE_OUTPUTS = "user_visible_output_idxs"
+EXAMPLE_VALUE = "example_value"
+
+# The higher-order op of a nested compile region's call (compile_layers_once's layers).
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+# The functional collectives Inductor lowers and overlaps (what torch.distributed's
+# _functional_collectives module calls).
+C10D_FUNCTIONAL = torch.ops._c10d_functional
+
+# Names torch gives no other mark:
+# Dynamo records `DTensor.to_local()` as a call of a closure of this name on some versions,
+# which AOTAutograd's cache refuses (compile_cache.to_local_as_method rewrites it).
+DYNAMO_TO_LOCAL_CLOSURE = "prim_to_local"
+# The conversion nn.Module.to_empty() hands to _apply (after shard, it leaves shards unset).
+TO_EMPTY_CONVERSION = "Module.to_empty.<locals>.<lambda>"
+# Keyword arguments compile_fx passes its inner compile: which graph it is, and whether
+# Inductor could keep CUDA graphs on for it.
+INNER_COMPILE_IS_BACKWARD = "is_backward"
+INNER_COMPILE_CUDAGRAPHS = "cudagraphs"
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """Inductor's settings for torch.compile(mode=...), which torch hands a custom backend by name only."""
+    return dict(torch._inductor.list_mode_options(mode))
+
+
+def dynamo_frame_id() -> int | None:
+    """The id of the Python frame Dynamo is compiling (the same for each recompilation of it), so a
+    recompiled graph replaces the earlier one in the communication report."""
+    compile_id = CompileContext.current_compile_id()
+    return compile_id.frame_id if compile_id is not None else None
+
+
+def in_autograd_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (an eager activation-checkpoint
+    recompute reads weights there, outside any module's forward). torch has no public way to ask;
+    the graph task id is what its engine uses (-1 outside backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# An FX node's target when it is an operator (ATen or custom), not a Python function.
+OpOverload = torch._ops.OpOverload
+
+
+def op_arguments(op: OpOverload) -> list[Any]:
+    """The schema's arguments of an operator (names, types, whether written)."""
+    return op._schema.arguments
+
+
+def mutates_arguments(target: Any) -> bool:
+    """Whether `target` is an operator that writes one of its arguments in place."""
+    return isinstance(target, OpOverload) and target._schema.is_mutable
+
+
+def dtensor_parts(param: DTensor) -> tuple[torch.Tensor, Any]:
+    """A DTensor's local tensor and its spec, read without building anything: the compiled step
+    reads every shard each step, and `to_local()` records an autograd node per parameter."""
+    return param._local_tensor, param._spec
+
+
+def dtensor_with_spec(local: torch.Tensor, spec: Any) -> DTensor:
+    """A DTensor of `local` laid out as `spec` says, as `to_local()`'s backward makes a gradient;
+    the public `DTensor.from_local` checks its arguments and builds a new spec, about five times
+    the cost per parameter and step."""
+    return DTensor(local, spec, requires_grad=False)
+
+
+def regions_reuse_traces() -> bool:
+    """Whether torch.compiler.nested_compile_region traces a region once and reuses that trace for
+    identical calls (the versions that do cap those reuses with `max_reuse_entries`)."""
+    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+
+def dtensor_cache_keys_stable() -> bool:
+    """Whether AOTAutograd's cache keys a DTensor input the same in every process (else a
+    restarted job traces the whole step again unless PYTHONHASHSEED is fixed)."""
+    return hasattr(DTensor, "_stable_hash_for_caching")
+
+
+def cuda_graph_unsafe_tags() -> tuple[torch.Tag, ...]:
+    """The op tag that keeps an op out of Inductor's CUDA graphs, where torch has it."""
+    return (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def registers_per_sm(device: torch.device) -> int:
+    """A GPU's registers per SM; torch versions that do not report it run on GPUs that all have 64K."""
+    return getattr(torch.cuda.get_device_properties(device), "regs_per_multiprocessor", 65536)
+
+
+def node_module_stack(node: fx.Node) -> dict[str, Any] | None:
+    """The module stack Dynamo recorded for a node (forward), or the one AOTAutograd copied to its
+    backward counterpart."""
+    return node.meta.get(NN_MODULE_STACK) or node.meta.get(FWD_NN_MODULE_STACK)
+
+
+def is_inner_compile_of_backward(kwargs: dict[str, Any]) -> bool:
+    return bool(kwargs.get(INNER_COMPILE_IS_BACKWARD))
+
+
+def inner_compile_kept_cudagraphs(kwargs: dict[str, Any]) -> bool:
+    return bool(kwargs.get(INNER_COMPILE_CUDAGRAPHS))
