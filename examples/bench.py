@@ -86,7 +86,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import math
 import os
 import sys
 import tempfile
@@ -105,6 +104,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zpp_compile as zpp
+from zpp_compile import padding, text_table
+from zpp_compile.runtime.topology import peers_by_link, received_bytes
 from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
@@ -560,8 +561,9 @@ def peak_tflops(args: argparse.Namespace, device: torch.device) -> float | None:
 
 def padded_shard_numel(model: nn.Module, world: int) -> int:
     """Elements of one rank's shards, each parameter's rows padded to a multiple of the world
-    (how FSDP2 and zeropp both shard dim 0); tied parameters once."""
-    return sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) for p in model.parameters())
+    (how FSDP2 and zeropp both shard dim 0); tied parameters once. A 0-d parameter, which
+    FSDP2 cannot shard, counts as zeropp holds it: one element per rank."""
+    return sum(padding.shard_numel(p, world) for p in model.parameters())
 
 
 def gather_reduce_bytes(shard_numel: int, gathers: int, reduce_dtype: torch.dtype, world: int,
@@ -570,7 +572,7 @@ def gather_reduce_bytes(shard_numel: int, gathers: int, reduce_dtype: torch.dtyp
     reduce-scatter in `reduce_dtype` over all ranks, counted as zeropp's ledger counts them:
     each peer sends this rank one shard's worth per collective."""
     per_peer = shard_numel * (2 * gathers + torch.empty((), dtype=reduce_dtype).element_size())
-    return (ranks_per_node - 1) * per_peer, (world - ranks_per_node) * per_peer
+    return received_bytes(*peers_by_link(0, ranks_per_node, range(world)), per_peer)  # every rank sees the same
 
 
 def rank_max(value: float, device: torch.device) -> float:
@@ -837,24 +839,21 @@ def add_comparisons(results: list[dict[str, Any]]) -> None:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    fmt = lambda v, spec: format("-", f">{spec.split('.')[0]}") if v is None else format(v, spec)  # noqa: E731
-    head = (f"{'variant':<18} {'ms/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'1st s':>6} {'peak GB':>8} "
-            f"{'inter MB':>9} {'src':<8} {'inter x':>7} {'exposed':>7} {'wait':>6} {'busy':>6} {'/FSDP2':>7} "
-            f"{'/eq.mem':>7} {'(ref)':<18} {'/ZeRO-3':>7} {'mem x':>6}")
-    lines = [head]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    headers = ("variant", "ms/step", "tokens/s", "TFLOP/s", "MFU", "1st s", "peak GB", "inter MB", "src", "inter x",
+               "exposed", "wait", "busy", "/FSDP2", "/eq.mem", "(ref)", "/ZeRO-3", "mem x")
+    rows = []
     for r in results:
         peak = r["peak_memory_bytes"] / 1e9 if r["peak_memory_bytes"] is not None else None
         inter = r["inter_bytes"] / 1e6 if r["inter_bytes"] is not None else None
-        lines.append(
-            f"{r['name']:<18} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>8.1f} "
-            f"{fmt(r['mfu'], '6.1%')} {r['first_step_s']:>6.1f} "
-            f"{fmt(peak, '8.2f')} {fmt(inter, '9.1f')} {r['bytes_source']:<8} {fmt(r['inter_ratio'], '7.3f')} "
-            f"{fmt(r['exposed_comm_fraction'], '7.1%')} {fmt(r['peer_wait_fraction'], '6.1%')} "
-            f"{fmt(r['gpu_busy_fraction'], '6.1%')} "
-            f"{fmt(r['vs_fsdp2_default'], '7.2f')} {fmt(r['vs_fsdp2_equal_memory'], '7.2f')} "
-            f"{r['fsdp2_equal_memory'] or '-':<18} {fmt(r['vs_zero3'], '7.2f')} "
-            f"{fmt(r['memory_vs_fsdp2_equal_memory'], '6.2f')}")
-    return "\n".join(lines)
+        rows.append((
+            r["name"], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
+            fmt(r["mfu"], ".1%"), f"{r['first_step_s']:.1f}", fmt(peak, ".2f"), fmt(inter, ".1f"), r["bytes_source"],
+            fmt(r["inter_ratio"], ".3f"), fmt(r["exposed_comm_fraction"], ".1%"), fmt(r["peer_wait_fraction"], ".1%"),
+            fmt(r["gpu_busy_fraction"], ".1%"), fmt(r["vs_fsdp2_default"], ".2f"),
+            fmt(r["vs_fsdp2_equal_memory"], ".2f"), r["fsdp2_equal_memory"] or "-", fmt(r["vs_zero3"], ".2f"),
+            fmt(r["memory_vs_fsdp2_equal_memory"], ".2f")))
+    return text_table.render(headers, rows, align="<>>>>>>><>>>>>><>>", gap=1)
 
 
 def plot(results: list[dict[str, Any]], title: str, path: str) -> None:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from bench import LLAMA_SHAPES, LlamaShape, llama  # examples/bench.py (this script's folder)
+from zpp_compile import text_table
 
 # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one.
 SHAPES = {"small": LlamaShape(1024, 128, 16, 4, 2, 352, True),
@@ -269,16 +270,15 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
 
 
 def table(results: list[dict]) -> str:
-    width = {c: max(len(c), 6) for c in COLUMNS}
-    lines = [f"{'variant':<13} {'layers':>6} {'launch':<6} {'first step s':>12} {'cpu s':>7} {'ms/step':>8} "
-             f"{'peak GiB':>8} {'MFU':>5}  " + " ".join(f"{c:>{width[c]}}" for c in COLUMNS)]
+    headers = ("variant", "layers", "launch", "first step s", "cpu s", "ms/step", "peak GiB", "MFU", *COLUMNS)
+    rows = []
     for r in results:
         p = phases(r["first_step_s"], r["compile_times"])
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
-        lines.append(f"{r['variant']:<13} {r['layers']:>6} {r['launch']:<6} {r['first_step_s']:>12.1f} "
-                     f"{r['first_step_cpu_s']:>7.1f} {r['ms_per_step']:>8.1f} {peak:>8} {mfu:>5}  "
-                     + " ".join(f"{p[c]:>{width[c]}.1f}" for c in COLUMNS))
+        rows.append((r["variant"], r["layers"], r["launch"], f"{r['first_step_s']:.1f}", f"{r['first_step_cpu_s']:.1f}",
+                     f"{r['ms_per_step']:.1f}", peak, mfu, *(f"{p[c]:.1f}" for c in COLUMNS)))
+    lines = [text_table.render(headers, rows, align="<><" + ">" * (5 + len(COLUMNS)))]
     for r in results:
         p = phases(r["first_step_s"], r["compile_times"])
         if any(k.startswith("pass ") for k in p):

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 import zpp_compile as zpp
 from bench import write_json  # examples/bench.py
+from zpp_compile import text_table
 from gpt import (STDLIB, GPT, GPTConfig, as_tokens, batch, emulated_ranks_per_node, init_distributed,  # examples/gpt.py
                  python_sources, windows)
 
@@ -382,13 +383,14 @@ def study(args: argparse.Namespace, settings: dict[str, Any], done: dict[tuple[s
 def print_summary(summary: dict[str, Any]) -> None:
     print(f"{len(summary['seeds'])} seeds; final = mean of the last {summary['final_window']} steps; "
           "gap = variant - zero3, paired by seed, with its 95% interval")
-    print(f"{'variant':<9} {'seeds':>7} {'final':>15} {'final gap [95%]':>30} {'held-out':>15} "
-          f"{'held-out gap [95%]':>30}")
+    rows = []
     for name, row in summary["variants"].items():
         cells = [f"{row[f'{m}_mean']:.4f} +- {row[f'{m}_std']:.4f}" for m in ("final", "val")]
         gaps = [f"{row[f'{m}_gap']:+.4f} [{row[f'{m}_gap_low']:+.4f}, {row[f'{m}_gap_high']:+.4f}]"
                 if name != "zero3" else "(reference)" for m in ("final", "val")]
-        print(f"{name:<9} {len(row['seeds']):>7} {cells[0]:>15} {gaps[0]:>30} {cells[1]:>15} {gaps[1]:>30}")
+        rows.append((name, len(row["seeds"]), cells[0], gaps[0], cells[1], gaps[1]))
+    headers = ("variant", "seeds", "final", "final gap [95%]", "held-out", "held-out gap [95%]")
+    print(text_table.render(headers, rows, align="<>>>>>"))
     norms = [f"{name} {row['grad_norm_mean']:.3f} ({row['clipped_fraction']:.0%} clipped)"
              for name, row in summary["variants"].items() if "grad_norm_mean" in row]
     if norms:

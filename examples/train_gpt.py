@@ -20,6 +20,7 @@ import argparse
 import math
 import os
 import sys
+import textwrap
 import time
 
 import torch
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zpp_compile as zpp
+from zpp_compile import text_table
 from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
 # Each phase of a step: the ZeRO++ technique that rewrites it, and the Config field that switches it on.
@@ -170,20 +172,21 @@ def comm_summary(report: zpp.CommReport, config: zpp.Config, eager: bool) -> str
     """One line per phase of a step: the bytes each rank received against plain ZeRO-3's."""
     if eager:
         return "eager run: the ZeRO++ passes act under torch.compile, so there is no compiled step to report"
-    mb = lambda n: f"{n / 1e6:7.3f} MB"  # noqa: E731
+    mb = lambda n: f"{n / 1e6:.3f} MB"  # noqa: E731
     base_intra, base_inter = report.baseline_intra_bytes // 3, report.baseline_inter_bytes // 3
     weights = str(config.param_dtype or torch.get_default_dtype()).removeprefix("torch.")
     gradients = str(config.reduce_dtype).removeprefix("torch.")
     lines = [f"bytes each rank received per step, against plain ZeRO-3 of the same model moving bf16 weights and "
              f"gradients (this run: {weights} weights, {gradients} gradient reduction):"]
+    rows = []
     for phase, (intra, inter) in report.by_phase().items():
         name, field = TECHNIQUES[phase]
-        technique = name if getattr(config, field) else "-"
-        lines.append(f"  {phase:<23} {technique:<4} cross-node {mb(inter)} vs {mb(base_inter)} "
-                     f"{times(inter / base_inter if base_inter else math.nan):>6}   "
-                     f"within a node {mb(intra)} vs {mb(base_intra)}")
+        rows.append((phase, name if getattr(config, field) else "-", mb(inter), mb(base_inter),
+                     times(inter / base_inter if base_inter else math.nan), mb(intra), mb(base_intra)))
+    headers = ("phase", "technique", "cross-node", "ZeRO-3", "ratio", "within a node", "ZeRO-3")
+    lines.append(textwrap.indent(text_table.render(headers, rows, align="<<>>>>>"), "  "))
     lines.append(f"cross-node bytes per step {times(report.inter_ratio)} of ZeRO-3's "
-                 f"({mb(report.inter_bytes).strip()} vs {mb(report.baseline_inter_bytes).strip()}); "
+                 f"({mb(report.inter_bytes)} vs {mb(report.baseline_inter_bytes)}); "
                  f"all bytes {times(report.total_ratio)}")
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..runtime.ops import gather_param_args
-from ..runtime.registry import REGISTRY
+from ..runtime.registry import COMPILATION
 from ..torch_compat import OpOverload, detect_fake_mode, node_module_stack, select_decomp_table
 
 _ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argument: L['self']
@@ -45,7 +45,7 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
     tensor_args = [a for a in args if isinstance(a, fx.Node)]
     values = [a.meta["val"] for a in tensor_args]
     fake_mode = detect_fake_mode(values)
-    traces = REGISTRY.traces.setdefault(fake_mode, {}) if fake_mode is not None else {}
+    traces = COMPILATION.traces.setdefault(fake_mode, {}) if fake_mode is not None else {}
     key = _trace_key(fn, args, values)
     traced = traces.get(key) if key is not None else None
     if traced is None:

@@ -26,7 +26,7 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
     """
     config, topology = ctx.config, ctx.topology
     members = config.hpz_partition_size
-    member = topology.rank % members
+    member = topology.secondary_member
     secondary = topology.secondary.name
     # Backward's uses of a weight: those of the gradient, and those of forward nodes that
     # activation checkpointing recomputes in backward.

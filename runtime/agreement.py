@@ -33,7 +33,7 @@ import torch.fx as fx
 from ..torch_compat import EXAMPLE_VALUE
 
 from .ops import gather_param_args
-from .registry import REGISTRY, ShardingState
+from .registry import COMPILATION, ShardingState
 from .topology import Topology
 
 
@@ -52,12 +52,12 @@ def check_same_gathers(gm: fx.GraphModule, state: ShardingState, config: Any, gr
     options = {k: v for k, v in config.to_dict().items() if v != sharded[k] and k != "dump_dir"}
     schedule, sharding_ids = gather_schedule(gm, topology, options)
     digest = hashlib.sha256("\n".join(schedule).encode()).hexdigest()
-    if topology.world_size == 1 or (sharding_ids, digest) in REGISTRY.agreed_schedules:
+    if topology.world_size == 1 or (sharding_ids, digest) in COMPILATION.agreed_schedules:
         return
     gathers = len(schedule) - bool(options)
     _agree(topology, f"compiled graph {graph_name} ({gathers} parameter gather{'s' * (gathers != 1)})",
            digest, schedule)
-    REGISTRY.agreed_schedules.add((sharding_ids, digest))
+    COMPILATION.agreed_schedules.add((sharding_ids, digest))
 
 
 def gather_schedule(

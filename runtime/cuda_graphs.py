@@ -31,7 +31,7 @@ import torch.fx as fx
 from ..torch_compat import (
     USER_VISIBLE_OUTPUTS, compile_fx_inner, inner_compile_kept_cudagraphs, is_inner_compile_of_backward,
 )
-from .registry import REGISTRY
+from .registry import COMPILATION
 
 
 class CallWatch:
@@ -77,7 +77,7 @@ class GraphedCallable:
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
         outputs = self.compiled(inputs)
-        REGISTRY.cuda_graph_watch.watch(self.name, self.timeout_s)
+        COMPILATION.cuda_graph_watch.watch(self.name, self.timeout_s)
         return [x.clone() if i in self.user_outputs and isinstance(x, torch.Tensor) else x
                 for i, x in enumerate(outputs)]
 
@@ -96,8 +96,8 @@ def graphed_inner_compile(
             f"zeropp (Config.cuda_graphs): Inductor cannot run the {name} graph as a CUDA graph ({reasons}); "
             "remove what the reason names from the compiled step, or set Config.cuda_graphs=False"
         )
-    if REGISTRY.cuda_graph_watch is None:
-        REGISTRY.cuda_graph_watch = CallWatch()
+    if COMPILATION.cuda_graph_watch is None:
+        COMPILATION.cuda_graph_watch = CallWatch()
     output = next(iter(reversed(gm.graph.nodes)))
     # What the user can hold on to: the loss (forward), the gradients (backward); compile_fx marks
     # them on the graph's output node before calling inner_compile.

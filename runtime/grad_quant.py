@@ -11,7 +11,7 @@ paper, section 3.3; ``ops.reduce_grad_quantized`` runs the hops). The code is sp
     grad_quant_kernels.py   the three @triton.jit kernels, and why they are built as they are
     grad_quant.py           this file: TUNING, the launchers, the ops (the twins on CPU, Triton
                             on CUDA); the format's public names are re-exported here
-    triton_common.py        what qgZ shares with qwZ (``weight_quant.py``)
+    triton_common.py        what qgZ shares with qwZ (``weight_quant*.py``)
 """
 from __future__ import annotations
 

@@ -1,13 +1,17 @@
-"""The runtime registry: the one piece of process-wide mutable state in zeropp, kept explicit.
+"""The runtime registry: the process-wide mutable state of zeropp, kept explicit, in two parts.
 
-It remembers what outlives a single call: the process groups built for each topology (creating
-them is a collective and, on NCCL, costly), which modules and parameters were sharded and with
-what settings, the module classes that gather their parameters, and the collectives each compiled
-graph issues (the communication ledger), the parameter gathers of compiled graphs that every rank
-agreed on (runtime.agreement), the shards still waiting for their initial values, the
-accumulators of gradients kept while gradient sync is off (found by key from inside compiled
-backward graphs), the thread that watches Config.cuda_graphs' calls, and the passes' traced helper
-functions (reused by every identical layer).
+`REGISTRY` (sharding state) remembers what `shard` decided and what outlives a single call for
+the sharded models: the process groups built for each topology (creating them is a collective
+and, on NCCL, costly), which modules and parameters were sharded and with what settings, the
+module classes that gather their parameters, the shards still waiting for their initial values,
+and the accumulators of gradients kept while gradient sync is off (found by key from inside
+compiled backward graphs).
+
+`COMPILATION` (compile state) remembers what compiling left: the collectives each compiled graph
+issues (the communication ledger), the graph ids, the parameter gathers that every rank agreed
+on (runtime.agreement), the thread that watches Config.cuda_graphs' calls, and the passes' traced
+helper functions (reused by every identical layer), which are kept with the fake mode of the
+compilation they serve and so go with it (and with `torch.compiler.reset()`).
 """
 
 from __future__ import annotations
@@ -37,18 +41,27 @@ class ShardingState:
 
 
 @dataclass
+class CompilationRegistry:
+    ledger: list[GraphComm] = field(default_factory=list)  # in compile order
+    graph_ids: itertools.count = field(default_factory=itertools.count)
+    cuda_graph_watch: Any = None  # runtime.cuda_graphs.CallWatch, made by the first graphed compilation
+    # passes.fx_util.insert_traced's traces by call, by the fake mode of the compilation they serve.
+    traces: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    agreed_schedules: set[tuple[frozenset[int], str]] = field(default_factory=set)  # (sharding ids, digest)
+
+    def forget_model(self, sharding_id: int) -> None:
+        """Takes a gone model's graphs out of the ledger (a new model that takes its sharding id
+        would otherwise count them twice in its report)."""
+        self.ledger[:] = [g for g in self.ledger if g.model is None or g.model.sharding_id != sharding_id]
+
+
+@dataclass
 class Registry:
     topologies: dict[tuple, Topology] = field(default_factory=dict)
     states: list[ShardingState] = field(default_factory=list)  # indexed by sharding id
     models: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     params: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # shard -> state
     gathering_classes: dict[tuple[type, frozenset[str], bool], type] = field(default_factory=dict)
-    ledger: list[GraphComm] = field(default_factory=list)  # in compile order
-    graph_ids: itertools.count = field(default_factory=itertools.count)
-    cuda_graph_watch: Any = None  # runtime.cuda_graphs.CallWatch, made by the first graphed compilation
-    # passes.fx_util.insert_traced's traces by call, kept with the fake mode of the compilation they serve.
-    traces: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
-    agreed_schedules: set[tuple[frozenset[int], str]] = field(default_factory=set)  # (sharding ids, digest)
     # Shards and buffers allocated but not yet given values (NaN until then), by tensor -> state:
     # what to_empty() after shard left, or meta modules shard() had no init for.
     unset: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
@@ -79,11 +92,7 @@ class Registry:
         live = {id(known) for known in self.models.values()}
         return next((i for i, known in enumerate(self.states) if known == state and id(known) not in live), None)
 
-    def take_back(self, sharding_id: int) -> ShardingState:
-        """Gives a gone model's sharding id, and its state, to a new model with an equal state; the
-        gone model's graphs leave the ledger (they would count twice in the new model's report)."""
-        self.ledger[:] = [g for g in self.ledger if g.model is None or g.model.sharding_id != sharding_id]
-        return self.states[sharding_id]
 
 
 REGISTRY = Registry()
+COMPILATION = CompilationRegistry()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,14 +53,39 @@ class Topology:
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
 
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+    def received_bytes(self, group: Group, per_peer: int) -> tuple[int, int]:
+        """(intra, inter) bytes this rank receives in a collective over `group` in which every
+        other member sends it `per_peer` bytes."""
+        return received_bytes(*peers_by_link(self.rank, self.ranks_per_node, group.ranks), per_peer)
 
-    def peers_by_link(self, group: Group) -> tuple[int, int]:
-        """How many other members of `group` are on this rank's node, and how many are not."""
-        node = self.node_of(self.rank)
-        same = sum(1 for r in group.ranks if r != self.rank and self.node_of(r) == node)
-        return same, group.size - 1 - same
+    @property
+    def secondary_member(self) -> int:
+        """This rank's index inside its hpZ secondary group (hpZ must be on)."""
+        return secondary_member(self.rank, self.secondary.size)
+
+
+def peers_by_link(rank: int, ranks_per_node: int, group_ranks: Sequence[int]) -> tuple[int, int]:
+    """How many other members of the group `group_ranks` are on `rank`'s node, and how many are on
+    other nodes (`rank` is a member; ranks are numbered node by node)."""
+    node = rank // ranks_per_node
+    same = sum(1 for r in group_ranks if r != rank and r // ranks_per_node == node)
+    return same, len(group_ranks) - 1 - same
+
+
+def received_bytes(peers_same_node: int, peers_other_nodes: int, per_peer: int) -> tuple[int, int]:
+    """(intra, inter) bytes a rank receives in a collective in which each of its peers sends it
+    `per_peer` bytes: an all-gather's whole input, or a reduce-scatter's or all-to-all's chunk."""
+    return peers_same_node * per_peer, peers_other_nodes * per_peer
+
+
+def secondary_groups(world_size: int, size: int) -> list[tuple[int, ...]]:
+    """hpZ's secondary groups: `size` consecutive ranks each (normally one node's, or part of it)."""
+    return [tuple(range(k * size, (k + 1) * size)) for k in range(world_size // size)]
+
+
+def secondary_member(rank: int, size: int) -> int:
+    """`rank`'s index inside its secondary group of `size` consecutive ranks (`secondary_groups`)."""
+    return rank % size
 
 
 def launcher_ranks_per_node(world_size: int) -> int:
@@ -90,8 +116,7 @@ def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: floa
     inter, _ = my_group([list(range(local, world_size, ranks_per_node)) for local in range(ranks_per_node)])
     secondary = None
     if hpz_partition_size:
-        size = hpz_partition_size
-        secondary, _ = my_group([list(range(k * size, (k + 1) * size)) for k in range(world_size // size)])
+        secondary, _ = my_group([list(ranks) for ranks in secondary_groups(world_size, hpz_partition_size)])
 
     agreement = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
 

@@ -1,4 +1,4 @@
-"""What the qgZ (``grad_quant*.py``) and qwZ (``weight_quant.py``) Triton kernels share.
+"""What the qgZ (``grad_quant*.py``) and qwZ (``weight_quant*.py``) Triton kernels share.
 
 The one guarded Triton import (without Triton the ops run their torch twins on every device),
 the one reading of ``TRITON_INTERPRET``, the NaN-propagating max and the rounding constant the

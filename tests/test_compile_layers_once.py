@@ -20,7 +20,7 @@ from zpp_compile.backend import zeropp_backend
 from zpp_compile import config as config_module
 from zpp_compile.config import ConfigError
 from zpp_compile.torch_compat import regions_reuse_traces
-from zpp_compile.sharding import _flatten_call, _unflatten_call
+from zpp_compile.layer_regions import _flatten_call, _unflatten_call
 
 LAYERS = 3
 PER_RANK = 2
@@ -42,7 +42,7 @@ def sharded_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         for leaf, param in module._parameters.items():
             if param is not None:
-                grads[f"{name}.{leaf}".lstrip(".")] = param.grad.full_tensor().reshape(module._zpp_layouts[leaf].shape)
+                grads[f"{name}.{leaf}".lstrip(".")] = param.grad.full_tensor().reshape(module._zpp.layouts[leaf].shape)
     return grads
 
 

@@ -53,7 +53,7 @@ def no_sync_run(rank: int, world_size: int, compiled: bool, config: zpp.Config |
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     if compiled:
-        backward = [g for g in zpp.REGISTRY.ledger if g.kind == "backward"]
+        backward = [g for g in zpp.COMPILATION.ledger if g.kind == "backward"]
         # One graph that reduces (with the kept gradients added) and one that reduces nothing.
         assert sorted(any(c.op != "all_gather" for c in g.collectives) for g in backward) == [False, True], backward
 
@@ -121,7 +121,7 @@ def sequence_lengths_run(rank: int, world_size: int) -> int:
     torch.manual_seed(0)
     model = zpp.shard(TinyTransformer().to(device()))
     compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
-    start = len(zpp.REGISTRY.ledger)
+    start = len(zpp.COMPILATION.ledger)
     reports = []
     for seq in (5, 7, 9):
         rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -148,7 +148,7 @@ def sequence_lengths_run(rank: int, world_size: int) -> int:
     mine, both = zpp.comm_report(model), zpp.comm_report()
     assert (mine.intra_bytes + mine.inter_bytes, len(mine.rows)) == reports[0]
     assert both.intra_bytes + both.inter_bytes == 2 * reports[0][0]  # the same architecture: the same bytes
-    compiled_graphs = sum(1 for g in zpp.REGISTRY.ledger[start:]
+    compiled_graphs = sum(1 for g in zpp.COMPILATION.ledger[start:]
                           if g.kind == "forward" and g.model.sharding_id == zpp.REGISTRY.sharding_id(model))
     zpp.reset_comm_report()
     assert not zpp.comm_report().rows

@@ -135,9 +135,9 @@ def different_collectives(rank: int, world_size: int) -> int:
     trained = zpp.shard(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).to(device()), config)
     step = compile_(trained)
     step(x).sum().backward()
-    forward_graphs = len([g for g in zpp.REGISTRY.ledger if g.kind == "forward"])
+    forward_graphs = len([g for g in zpp.COMPILATION.ledger if g.kind == "forward"])
     step(x[: 3 if rank == 0 else 4]).sum().backward()
-    recompiled = len([g for g in zpp.REGISTRY.ledger if g.kind == "forward"]) - forward_graphs
+    recompiled = len([g for g in zpp.COMPILATION.ledger if g.kind == "forward"]) - forward_graphs
 
     # A branch only rank 0 takes: rank 0's graph gathers one more layer. Both ranks raise at compile.
     with pytest.raises(Exception) as error:

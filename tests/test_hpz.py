@@ -81,7 +81,7 @@ def weight_gathers(graphs: list, secondary_bytes: int) -> dict:
 def trained_with_gathers(rank: int, world_size: int, options: dict) -> tuple[dict, dict]:
     """train_sharded (debug mode, against the reference), then the weight gathers of its graphs."""
     shapes = train_sharded(rank, world_size, "aot", options)
-    return shapes, weight_gathers(zpp.REGISTRY.ledger, zpp.secondary_copy_bytes())
+    return shapes, weight_gathers(zpp.COMPILATION.ledger, zpp.secondary_copy_bytes())
 
 
 @needs_4_ranks
@@ -174,7 +174,7 @@ def copies_against_int8_copy(rank: int, world_size: int, configs: tuple[dict, ..
             train(model, batches(STEPS, world_size, PER_RANK), compiled, slice(rank * PER_RANK, (rank + 1) * PER_RANK))
         finals.append(zpp.full_state_dict(model))
         saved_codes.append(torch.uint8 in dtypes)
-        gathers.append(weight_gathers(zpp.REGISTRY.ledger, zpp.secondary_copy_bytes()))
+        gathers.append(weight_gathers(zpp.COMPILATION.ledger, zpp.secondary_copy_bytes()))
     differing = [[key for key, value in final.items() if not torch.equal(value, finals[0][key])]
                  for final in finals[1:]]
     return differing, saved_codes, gathers

@@ -195,10 +195,10 @@ def gradient_bytes(rank: int, world_size: int) -> dict:
         model = TinyTransformer(vocab=256, dim=256, heads=4, layers=2).to(device())
         zpp.shard(model, zpp.Config(quantized_gradients=qgz, param_dtype="bf16", reduce_dtype="bf16", ranks_per_node=2))
         compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
-        start = len(zpp.REGISTRY.ledger)
+        start = len(zpp.COMPILATION.ledger)
         tokens, targets = batches(1, world_size, vocab=256)[0]
         compiled(tokens[:1].to(device()), targets[:1].to(device())).backward()
-        backward = [g for g in zpp.REGISTRY.ledger[start:] if g.kind == "backward"][0]
+        backward = [g for g in zpp.COMPILATION.ledger[start:] if g.kind == "backward"][0]
         out[qgz] = sum(c.inter_bytes for c in backward.collectives if c.op != "all_gather")
     return out
 

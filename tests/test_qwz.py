@@ -35,10 +35,10 @@ def gather_bytes(rank: int, world_size: int) -> dict:
         model = TinyTransformer(vocab=256, dim=256, heads=4, layers=2).to(device())
         zpp.shard(model, zpp.Config(quantized_weights=qwz, param_dtype="bf16"))
         compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
-        start = len(zpp.REGISTRY.ledger)
+        start = len(zpp.COMPILATION.ledger)
         tokens, targets = batches(1, world_size, vocab=256)[0]
         compiled(tokens[:1].to(device()), targets[:1].to(device())).backward()
-        for graph in zpp.REGISTRY.ledger[start:]:
+        for graph in zpp.COMPILATION.ledger[start:]:
             gathers = [c for c in graph.collectives if c.op == "all_gather"]
             out[(qwz, graph.kind)] = sum(c.intra_bytes + c.inter_bytes for c in gathers)
     return out

@@ -185,7 +185,7 @@ def gather_once_run(rank: int, world_size: int) -> dict:
     phases = {}
     for disabled in ((), ("gather_once",)):
         torch._dynamo.reset()
-        zpp.REGISTRY.ledger.clear()
+        zpp.COMPILATION.ledger.clear()
         model = shard_copy(reference, TiedAndRepeated)
         options = {"inductor": False, "disable_passes": list(disabled)}
         torch.compile(model, backend="zeropp", options=options)(tokens[mine].to(device()),

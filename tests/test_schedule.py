@@ -66,7 +66,7 @@ def final_state(rank: int, world_size: int, options: dict, layers: int = 2,
     model = zpp.shard(TinyTransformer(layers=layers).to(device()), zpp.Config(**options))
     step_fn = torch.compile(model, backend=backend, options={"inductor": False})
     history = train(model, batches(STEPS, world_size, PER_RANK), step_fn, slice(rank * PER_RANK, (rank + 1) * PER_RANK))
-    collectives = [c for g in zpp.REGISTRY.ledger for c in g.collectives]
+    collectives = [c for g in zpp.COMPILATION.ledger for c in g.collectives]
     return {k: v.cpu() for k, v in zpp.full_state_dict(model).items()}, history, collectives
 
 
@@ -75,7 +75,7 @@ def compare_runs(rank: int, world_size: int, options: dict, other: dict,
     """Trains under `options`, then under them updated by `other` (compiled by `other_backend`):
     the histories and parameters are equal to the bit; how many collectives each run issued."""
     first, first_history, first_collectives = final_state(rank, world_size, options)
-    zpp.REGISTRY.ledger.clear()
+    zpp.COMPILATION.ledger.clear()
     torch._dynamo.reset()
     second, second_history, second_collectives = final_state(rank, world_size, {**options, **other},
                                                               backend=other_backend)
@@ -99,7 +99,7 @@ def quantized_bucket_runs(rank: int, world_size: int) -> tuple[int, int, list, l
     passes = [dataclasses.replace(p, run=capture) if p.name == "schedule_overlap" else p for p in PASSES]
     unbucketed, bucketed = compare_runs(rank, world_size, {**ALL_THREE, "bucket_size": 0}, {"bucket_size": 1 << 20},
                                         functools.partial(zeropp_backend, passes=passes))
-    kinds = sorted({(c.op, str(c.dtype), c.of_gradient) for g in zpp.REGISTRY.ledger for c in g.collectives})
+    kinds = sorted({(c.op, str(c.dtype), c.of_gradient) for g in zpp.COMPILATION.ledger for c in g.collectives})
     ops = {"quantize_bucket": torch.ops.zpp.quantize_bucket.default,
            "quantize_weight": torch.ops.zpp.quantize_weight.default,
            "dequantize_bucket": torch.ops.zpp.dequantize_bucket.default,

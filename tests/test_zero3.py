@@ -39,7 +39,7 @@ def graph_break_run(rank: int, world_size: int) -> int:
     """Trains the graph-broken model against the reference; returns how many training graphs
     (graphs with a backward) this rank compiled."""
     train_sharded(rank, world_size, "aot", {}, GraphBreakTransformer)
-    return len({g.graph_name.split(".")[0] for g in zpp.REGISTRY.ledger if g.kind == "backward"})
+    return len({g.graph_name.split(".")[0] for g in zpp.COMPILATION.ledger if g.kind == "backward"})
 
 
 @pytest.mark.distributed

@@ -10,7 +10,7 @@ from .config import Config, ConfigError
 from .runtime.agreement import RankMismatchError
 from .runtime.cuda_graphs import release_cuda_graphs
 from .ledger import CommReport
-from .runtime.registry import REGISTRY
+from .runtime.registry import COMPILATION, REGISTRY
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .grad_sync import no_sync, set_requires_gradient_sync
 from .initialization import load_full_state_dict
@@ -35,7 +35,7 @@ def comm_report(model: nn.Module | None = None) -> CommReport:
 
     Every sharded model's graphs count unless `model` (a model given to `shard`) picks one; of a
     step Dynamo recompiled (a new sequence length, say), only the latest graphs count."""
-    graphs = REGISTRY.ledger
+    graphs = COMPILATION.ledger
     if model is not None:
         if model not in REGISTRY.models:
             raise ValueError(f"comm_report(model): {type(model).__name__} was not sharded by zpp_compile.shard")
@@ -47,7 +47,7 @@ def comm_report(model: nn.Module | None = None) -> CommReport:
 def reset_comm_report() -> None:
     """Forgets the graphs compiled so far: `comm_report()` then reports only graphs compiled after
     this call (e.g. between benchmark variants that share a process)."""
-    REGISTRY.ledger.clear()
+    COMPILATION.ledger.clear()
 
 
 __all__ = [

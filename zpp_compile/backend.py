@@ -30,7 +30,7 @@ from .runtime.agreement import check_same_gathers
 from .runtime.collectives import gathers_into_given_output
 from .runtime.cuda_graphs import graphed_inner_compile
 from .runtime.ops import gather_param_args
-from .runtime.registry import REGISTRY, ShardingState
+from .runtime.registry import COMPILATION, REGISTRY, ShardingState
 from .torch_compat import (
     INVOKE_SUBGRAPH, NN_MODULE_STACK, CustomGraphPass, aot_autograd, compile_fx, compile_fx_inner, dynamo_frame_id,
     inductor_mode_options,
@@ -60,7 +60,7 @@ def zeropp_backend(
     config = state.config.for_compilation(options, state.topology.ranks_per_node) if options else state.config
     buckets_within_layers = config.bucket_size == "layer"
     config = config.with_layer_size(state.layer_nbytes)
-    manager = PassManager(config, state.topology, f"g{next(REGISTRY.graph_ids)}", state.layers, dynamo_frame_id(),
+    manager = PassManager(config, state.topology, f"g{next(COMPILATION.graph_ids)}", state.layers, dynamo_frame_id(),
                           passes, buckets_within_layers)
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     to_local_as_method(gm)
@@ -220,7 +220,7 @@ def _inline_gathers(gm: fx.GraphModule) -> None:
 
 
 def _inline_call(gm: fx.GraphModule, call: fx.Node) -> None:
-    """Puts a copy of the nodes of `sharding._gather_layer`'s traced body into the step's graph in
+    """Puts a copy of the nodes of `layer_regions._gather_layer`'s traced body into the step's graph in
     place of the `invoke_subgraph` call that ran it: the copies read that call's arguments, and
     each `getitem` of its result reads the copied output instead."""
     body = getattr(gm, call.args[0].target)

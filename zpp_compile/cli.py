@@ -27,6 +27,7 @@ from typing import Any, Callable, NoReturn
 
 import torch
 
+from . import text_table
 from .config import DISABLE_PASSES_ENV, DUMP_DIR_ENV, Config, ConfigError
 from .dump import read_pass_summary
 from .explain import predict
@@ -95,9 +96,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _passes(args: argparse.Namespace) -> int:
-    width = max(len(p.name) for p in PASSES)
-    for graph_pass in PASSES:
-        print(f"{graph_pass.name:<{width}}  [{graph_pass.stage}]  {graph_pass.summary}")
+    print(text_table.render(None, [(p.name, f"[{p.stage}]", p.summary) for p in PASSES]))
     return 0
 
 
@@ -188,18 +187,20 @@ def _compile_order(path: Path) -> tuple[int, int, str]:
 
 
 def _pass_table(summaries: list[dict[str, Any]]) -> str:
-    lines = [f"{'graph':<12} {'pass':<24} {'nodes':>11}  collectives before -> after (count, op, dtype, bytes "
-             "received), non-aten ops added"]
+    def count(rows: list[dict[str, Any]]) -> str:
+        return ", ".join(f"{r['count']} {r['op']} {r['dtype']} ({r['intra_bytes'] + r['inter_bytes']:,} B)"
+                         for r in rows) or "none"
+
+    rows = []
     for s in summaries:
-        def count(rows: list[dict[str, Any]]) -> str:
-            return ", ".join(f"{r['count']} {r['op']} {r['dtype']} ({r['intra_bytes'] + r['inter_bytes']:,} B)"
-                             for r in rows) or "none"
         added = ", ".join(f"+{n} {op.split('.')[-2] if '.' in op else op}" for op, n in s["added"].items()
                           if not op.startswith("aten."))
-        lines.append(f"{s['graph']:<12} {s['pass']:<24} {s['nodes_before']:>4} -> {s['nodes_after']:<4}  "
+        rows.append((s["graph"], s["pass"], f"{s['nodes_before']} -> {s['nodes_after']}",
                      f"{count(s['collectives_before'])} -> {count(s['collectives_after'])}"
-                     + (f"; {added}" if added else ""))
-    return "\n".join(lines)
+                     + (f"; {added}" if added else "")))
+    headers = ("graph", "pass", "nodes", "collectives before -> after (count, op, dtype, bytes received), "
+               "non-aten ops added")
+    return text_table.render(headers, rows, align="<<>")
 
 
 # ----------------------------------------------------------------------------------- explain

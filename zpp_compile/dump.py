@@ -115,9 +115,9 @@ class GraphDump:
             group = groups.get(str(group_name))
             if group is None:
                 continue
-            same, other = topology.peers_by_link(group)
+            intra, inter = topology.received_bytes(group, per_peer)
             of_gradient = node.target is zpp.reduce_grad.default
-            records.append(CollectiveRecord(op, group, dtype, same * per_peer, other * per_peer, of_gradient))
+            records.append(CollectiveRecord(op, group, dtype, intra, inter, of_gradient))
         return records
 
     def _schedule(self, graph_name: str, graph: fx.Graph) -> str:

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from . import text_table
 from .config import Config, ConfigError
 from .pass_manager import enabled_passes
 from .runtime.grad_quant_format import piece_bytes
+from .runtime.topology import peers_by_link, received_bytes, secondary_groups
 from .ledger import PHASES
-from .runtime.weight_quant import packed_weight_bytes
+from .runtime.weight_quant_format import packed_weight_bytes
 
 
 @dataclass(frozen=True)
@@ -60,22 +62,21 @@ class Prediction:
                 "total": total(self.phases), "baseline_total": total(self.baseline)}
 
     def table(self) -> str:
+        """The prediction as text: per phase, the paper's cross-node volumes (in M), then the bytes
+        each rank receives as the ledger counts them, for plain ZeRO-3 and for this config."""
         m = self.m_bytes
-        lines = [
-            f"{'':<24}{'cross-node, paper':^22}  {'per rank per step, as the ledger counts (bytes)':^62}",
-            f"{'phase':<24}{'ZeRO-3':>8} {'this config':>13}  {'ZeRO-3 intra':>15} {'ZeRO-3 inter':>15} "
-            f"{'intra':>15} {'inter':>15}",
-        ]
-        rows = [(b.phase, b, v) for b, v in zip(self.baseline, self.phases)]
-        for name, base, mine in rows:
+        rows = []
+        for base, mine in zip(self.baseline, self.phases):
             label = f"{mine.paper_m:.2f}M" + (f" ({mine.technique})" if mine.technique != "-" else "")
-            lines.append(f"{name:<24}{base.paper_m:>7.2f}M {label:>13}  {base.intra_bytes:>15,} "
-                         f"{base.inter_bytes:>15,} {mine.intra_bytes:>15,} {mine.inter_bytes:>15,}")
+            rows.append((base.phase, f"{base.paper_m:.2f}M", label, f"{base.intra_bytes:,}", f"{base.inter_bytes:,}",
+                         f"{mine.intra_bytes:,}", f"{mine.inter_bytes:,}"))
         base, mine = self.to_dict()["baseline_total"], self.to_dict()["total"]
-        lines.append(f"{'total':<24}{base['paper_m']:>7.2f}M {mine['paper_m']:>12.2f}M  {base['intra_bytes']:>15,} "
-                     f"{base['inter_bytes']:>15,} {mine['intra_bytes']:>15,} {mine['inter_bytes']:>15,}")
-        lines.append(f"{'total in M':<46}  {base['intra_bytes'] / m:>14.3f}M {base['inter_bytes'] / m:>14.3f}M "
-                     f"{mine['intra_bytes'] / m:>14.3f}M {mine['inter_bytes'] / m:>14.3f}M")
+        ledger_totals = (base["intra_bytes"], base["inter_bytes"], mine["intra_bytes"], mine["inter_bytes"])
+        rows.append(("total", f"{base['paper_m']:.2f}M", f"{mine['paper_m']:.2f}M", *(f"{b:,}" for b in ledger_totals)))
+        rows.append(("total in M", "", "", *(f"{b / m:.3f}M" for b in ledger_totals)))
+        headers = ("phase", "paper: ZeRO-3", "this config", "ledger: ZeRO-3 intra B", "ZeRO-3 inter B", "intra B",
+                   "inter B")
+        lines = [text_table.render(headers, rows, align="<>>>>>>")]
         if self.world_size == self.ranks_per_node:
             lines.append("one node: nothing crosses nodes, so the paper's cross-node volumes are all 0")
         lines.append("paper: each collective's full volume (M = 2 bytes x parameters), cross-node only; "
@@ -112,10 +113,10 @@ def predict(config: Config, n_params: int, world_size: int, ranks_per_node: int,
     forward = PhaseVolume(PHASES[0], "qwZ" if quantized else "-", link.cross(weight_m), *link.world(per_peer))
     if hpz:
         members = config.hpz_partition_size
-        same, other = link.peers_of_first(members)
+        same, other = link.peers_of_first(secondary_groups(world_size, members)[0])
         copy_peer, copy_m = weights(quantized and config.hpz_quantized_copy)
         part = world_size * copy_peer // members  # the secondary copy: the gathered weights split over the group
-        backward = PhaseVolume(PHASES[1], "hpZ", copy_m if other else 0.0, same * part, other * part)
+        backward = PhaseVolume(PHASES[1], "hpZ", copy_m if other else 0.0, *received_bytes(same, other, part))
     elif "reshard_after_forward" in on:
         backward = PhaseVolume(PHASES[1], forward.technique, forward.paper_m, forward.intra_bytes, forward.inter_bytes)
     else:
@@ -136,8 +137,10 @@ def _qgz(config: Config, link: _Link, shard: int) -> PhaseVolume:
         return PhaseVolume(PHASES[2], "qgZ", link.cross(bits / 16), *link.world(piece_bytes(shard, block, bits)))
     intra_piece = piece_bytes(shard, block, config.intra_node_gradient_bits)
     inter_piece = piece_bytes(shard, block, config.gradient_bits)
-    intra = (local - 1) * link.world_size * intra_piece // local
-    inter = (nodes - 1) * inter_piece
+    # First hop, within the node: each peer sends this rank a piece for each node; second hop,
+    # across nodes, over the ranks of this rank's local index: each peer sends one piece.
+    intra, _ = received_bytes(*link.peers_of_first(range(local)), nodes * intra_piece)
+    _, inter = received_bytes(*link.peers_of_first(range(0, link.world_size, local)), inter_piece)
     return PhaseVolume(PHASES[2], "qgZ", config.gradient_bits / 16, intra, inter)
 
 
@@ -152,12 +155,12 @@ class _Link:
 
     def world(self, per_peer: int) -> tuple[int, int]:
         """(intra, inter) bytes a rank receives when each other rank sends it `per_peer` bytes."""
-        return (self.local - 1) * per_peer, (self.world_size - self.local) * per_peer
+        return received_bytes(*self.peers_of_first(range(self.world_size)), per_peer)
 
-    def peers_of_first(self, members: int) -> tuple[int, int]:
-        """Rank 0's peers in a group of ranks 0..members-1: (on its node, on other nodes)."""
-        same = min(members, self.local) - 1
-        return same, members - 1 - same
+    def peers_of_first(self, group_ranks: Sequence[int]) -> tuple[int, int]:
+        """Rank 0's peers in its group `group_ranks`: (on its node, on other nodes). The
+        prediction is rank 0's view; every group of a kind is laid out alike."""
+        return peers_by_link(0, self.local, group_ranks)
 
     def cross(self, volume_m: float) -> float:
         return volume_m if self.nodes > 1 else 0.0

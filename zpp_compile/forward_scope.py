@@ -54,14 +54,14 @@ def attach_to_model(model: nn.Module, scope: ForwardScope) -> None:
 
 
 def counting_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """`forward` of a module holding shards, counted in the module's `_zpp_scope` when run
+    """`forward` of a module holding shards, counted in the module's scope (`module_state.HeldShards`) when run
     eagerly. Keeps `forward`'s signature for `inspect` (HF's Trainer picks dataset columns by it)."""
 
     @functools.wraps(forward)
     def counted(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return forward(self, *args, **kwargs)
-        scope = self._zpp_scope
+        scope = self._zpp.scope
         scope.depth += 1
         try:
             return forward(self, *args, **kwargs)

@@ -24,14 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from .runtime.agreement import check_same_eager_gather
 from .runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal
+from .module_state import held_shards
 from .runtime.registry import REGISTRY
-
-
-# What gathering a parameter reads (`sharding.ParamLayout.gather_args`): its element count and
-# shape, then the arguments of `zpp::all_gather_param` after the shard (shard_size, group_size,
-# group_name, dtype, reduce_dtype, sharding_id). A plain tuple, since Dynamo reads it for every
-# parameter use at a fraction of the cost of an object's attributes.
-GatherArgs = tuple[int, tuple[int, ...], int, int, str, torch.dtype, torch.dtype, int]
 
 
 class GradAccumulator:
@@ -67,7 +61,7 @@ def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
     parameters then hold the weights its caller gathered in place of the shards, that weight as it
     is. Outside forward: the sharded parameter itself."""
     shard = module._parameters[name]
-    if not isinstance(shard, DTensor) or not module._zpp_scope.gathers():
+    if not isinstance(shard, DTensor) or not module._zpp.scope.gathers():
         return shard
     return gather_local_shard(module, name, local_shard(module, name))
 
@@ -76,7 +70,7 @@ def local_shard(module: nn.Module, name: str) -> torch.Tensor:
     """This rank's part of `module.<name>`'s shard, as `gather_local_shard` reads it: detached while
     gradients are kept on this rank, since those never flow back to the shard."""
     shard = module._parameters[name]
-    accumulator = module._zpp_accumulators.get(name)
+    accumulator = module._zpp.accumulators.get(name)
     if accumulator is not None and not accumulator.sync:
         shard = shard.detach()
     return shard.to_local()
@@ -85,12 +79,12 @@ def local_shard(module: nn.Module, name: str) -> torch.Tensor:
 def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
     """`module.<name>` gathered from this rank's part of its shard (`local_shard`), its gradient
     reduced, kept on this rank, or added to the kept one."""
-    numel, shape, *op_args = module._zpp_gather_args[name]
+    numel, shape, *op_args = module._zpp.gather_args[name]
     if not torch.compiler.is_compiling():
         _check_same_gather(module, name)
     gathered = torch.ops.zpp.all_gather_param(local.reshape(-1), *op_args)
     weight = FromEveryReplica.apply(gathered) if not shape else gathered[:numel].view(shape)
-    accumulator = module._zpp_accumulators.get(name)
+    accumulator = module._zpp.accumulators.get(name)
     if accumulator is None:
         return weight
     if not accumulator.sync:
@@ -102,7 +96,7 @@ def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> tor
 
 def _check_same_gather(module: nn.Module, name: str) -> None:
     """Run eagerly: every rank gathers this parameter now, or every rank raises (`runtime.agreement`)."""
-    layout = module._zpp_layouts[name]
+    layout = module._zpp.layouts[name]
     topology = REGISTRY.states[layout.sharding_id].topology
     holder = type(module).__name__.removeprefix("Sharded")
     what = f"{holder}.{name} (parameter {layout.index}, shape {tuple(layout.shape)})"
@@ -124,15 +118,15 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
                          "(or a module holding one)")
     accumulators: dict[int, GradAccumulator] = {}
     for module in model.modules():
-        layouts = getattr(module, "_zpp_layouts", {})
-        for name, layout in layouts.items():
+        held = held_shards(module)
+        for name, layout in (held.layouts if held is not None else {}).items():
             param = module._parameters[name]
             if not param.requires_grad:
                 continue
-            accumulator = module._zpp_accumulators.get(name) or accumulators.get(id(param))
+            accumulator = held.accumulators.get(name) or accumulators.get(id(param))
             if accumulator is None:  # one per parameter, shared by every module it is tied into
                 accumulator = GradAccumulator(param, layout.shape, layout.reduce_dtype)
-            module._zpp_accumulators[name] = accumulators[id(param)] = accumulator
+            held.accumulators[name] = accumulators[id(param)] = accumulator
     for accumulator in accumulators.values():
         accumulator.set_sync(requires_gradient_sync)
 

@@ -221,7 +221,7 @@ def _full_tensors_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_
     """A plain tensor of a sharded parameter's full shape becomes this rank's chunk of it (no
     communication: the caller gave every rank the full tensor). Anything else is left for
     `load_state_dict` to check and report."""
-    for name, layout in module._zpp_layouts.items():
+    for name, layout in module._zpp.layouts.items():
         key = prefix + name
         value, param = state_dict.get(key), module._parameters[name]
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == layout.shape:

@@ -13,6 +13,7 @@ DeepSpeed from `set_z3_leaf_modules`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .grad_sync import gather_local_shard, local_shard
+from .module_state import sharded_names
 
 
 def is_leaf(name: str, module: nn.Module, leaf_modules: tuple[str, ...]) -> bool:
@@ -32,47 +34,47 @@ def is_leaf(name: str, module: nn.Module, leaf_modules: tuple[str, ...]) -> bool
 def attach(leaf: nn.Module) -> None:
     """Gathers `leaf`'s parameters on entry (before the user's hooks, which may read them) and
     releases them on exit, also when its forward raises."""
-    leaf._zpp_leaf_entries = []  # per entry (a module may be called inside itself): what it stashed
-    leaf.register_forward_pre_hook(_enter, prepend=True)
-    leaf.register_forward_hook(_leave, always_call=True)
+    entries: list = []  # per entry (a module may be called inside itself): what it stashed
+    leaf.register_forward_pre_hook(functools.partial(_enter, entries), prepend=True)
+    leaf.register_forward_hook(functools.partial(_leave, entries), always_call=True)
 
 
 def leaf_weight(module: nn.Module, name: str) -> torch.Tensor | None:
     """The weight a leaf module entered gathered for `module.<name>`, or None outside one."""
-    return module._zpp_leaf_weights.get(name)
+    return module._zpp.leaf_weights.get(name)
 
 
 def _members(leaf: nn.Module) -> list[tuple[nn.Module, str]]:
     """The sharded parameters of `leaf` and its submodules, as (holder, name), in module order."""
     return [(holder, name) for _, holder in leaf.named_modules(remove_duplicate=False)
-            for name in getattr(holder, "_zpp_layouts", ())]
+            for name in sharded_names(holder)]
 
 
-def _enter(leaf: nn.Module, _args: Any) -> None:
+def _enter(entries: list, leaf: nn.Module, _args: Any) -> None:
     gathered: dict[int, torch.Tensor] = {}  # by parameter: a weight tied within the leaf is gathered once
     stashed = []
     for holder, name in _members(leaf):
         shard = holder._parameters[name]
         # Already gathered by an enclosing leaf, or not a shard (a layer compiled once holds its weights).
-        if name in holder._zpp_leaf_weights or not isinstance(shard, DTensor):
+        if name in holder._zpp.leaf_weights or not isinstance(shard, DTensor):
             continue
         if id(shard) not in gathered:
             gathered[id(shard)] = gather_local_shard(holder, name, local_shard(holder, name))
         stashed.append((holder, name, id(shard)))
     weights = dict(zip(gathered, _Together.apply(*gathered.values()))) if gathered else {}
     for holder, name, key in stashed:
-        holder._zpp_leaf_weights[name] = weights[key]
+        holder._zpp.leaf_weights[name] = weights[key]
     smallest = None  # the cheapest weight to pass a zero gradient to
     for weight in weights.values():
         if smallest is None or weight.numel() < smallest.numel():
             smallest = weight
-    leaf._zpp_leaf_entries.append((stashed, smallest))
+    entries.append((stashed, smallest))
 
 
-def _leave(leaf: nn.Module, _args: Any, output: Any) -> Any:
-    stashed, smallest = leaf._zpp_leaf_entries.pop()
+def _leave(entries: list, leaf: nn.Module, _args: Any, output: Any) -> Any:
+    stashed, smallest = entries.pop()
     for holder, name, _ in stashed:
-        del holder._zpp_leaf_weights[name]
+        del holder._zpp.leaf_weights[name]
     if smallest is None or not smallest.requires_grad:
         return None
     return _depending_on(output, smallest)

@@ -15,9 +15,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from . import text_table
 from .passes.fx_util import backward_nodes
 from .runtime.collectives import ALL_GATHERS
-from .runtime.topology import Group, Topology
+from .runtime.topology import Group, Topology, peers_by_link, received_bytes
 from .torch_compat import C10D_FUNCTIONAL
 
 _c10d = C10D_FUNCTIONAL
@@ -72,8 +73,8 @@ class ShardedModel:
         ranks, each peer sending this rank 2 x padded_numel / world bytes, counted as
         `collectives_in_graph` counts them."""
         per_peer = 2 * self.padded_numel // self.world_size
-        same, other = self.ranks_per_node - 1, self.world_size - self.ranks_per_node
-        return 3 * same * per_peer, 3 * other * per_peer
+        peers = peers_by_link(0, self.ranks_per_node, range(self.world_size))  # every rank sees the same
+        return received_bytes(*peers, 3 * per_peer)
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,8 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
         nbytes = value.numel() * value.element_size()
         # What each peer sends this rank: its whole input for a gather, else the chunk for here.
         per_peer = nbytes if op == "all_gather" else nbytes // group.size
-        same, other = topology.peers_by_link(group)
-        records[node] = CollectiveRecord(
-            op, group, value.dtype, same * per_peer, other * per_peer, node in of_gradients
-        )
+        intra, inter = topology.received_bytes(group, per_peer)
+        records[node] = CollectiveRecord(op, group, value.dtype, intra, inter, node in of_gradients)
     return records
 
 
@@ -290,20 +289,20 @@ class CommReport:
         """The report as text: one line per collective (optional), then totals per phase."""
         lines = []
         if collectives:
-            lines.append(f"{'graph':<12} {'phase':<23} {'op':<14} {'ranks':<14} {'dtype':<9} "
-                         f"{'intra B':>13} {'inter B':>13}  link")
-            lines += [f"{r.graph:<12} {r.phase:<23} {r.op:<14} {_ranks(r.ranks):<14} {r.dtype:<9} "
-                      f"{r.intra_bytes:>13,} {r.inter_bytes:>13,}  {r.link}" for r in self.rows]
+            lines.append(text_table.render(
+                ("graph", "phase", "op", "ranks", "dtype", "intra B", "inter B", "link"),
+                [(r.graph, r.phase, r.op, _ranks(r.ranks), r.dtype, f"{r.intra_bytes:,}", f"{r.inter_bytes:,}", r.link)
+                 for r in self.rows], align="<<<<<>><"))
             lines.append("")
         third = (self.baseline_intra_bytes // 3, self.baseline_inter_bytes // 3)
-        lines.append(f"{'per step, per rank':<23} {'intra B':>13} {'inter B':>13}   {'ZeRO-3 intra':>13} "
-                     f"{'ZeRO-3 inter':>13}  {'inter x':>7} {'total x':>7}")
         totals = [(phase, intra, inter, *third) for phase, (intra, inter) in self.by_phase().items()]
         totals.append(("total", self.intra_bytes, self.inter_bytes,
                        self.baseline_intra_bytes, self.baseline_inter_bytes))
-        for name, intra, inter, base_intra, base_inter in totals:
-            lines.append(f"{name:<23} {intra:>13,} {inter:>13,}   {base_intra:>13,} {base_inter:>13,}  "
-                         f"{_ratio(inter, base_inter):>7.3f} {_ratio(intra + inter, base_intra + base_inter):>7.3f}")
+        lines.append(text_table.render(
+            ("per step, per rank", "intra B", "inter B", "ZeRO-3 intra", "ZeRO-3 inter", "inter x", "total x"),
+            [(name, f"{intra:,}", f"{inter:,}", f"{base_intra:,}", f"{base_inter:,}",
+              f"{_ratio(inter, base_inter):.3f}", f"{_ratio(intra + inter, base_intra + base_inter):.3f}")
+             for name, intra, inter, base_intra, base_inter in totals], align="<>>>>>>"))
         lines.append(f"hpZ secondary copies held: {self.secondary_bytes:,} B; "
                      f"M = 2 B x {self.sharded_numel:,} sharded parameter elements = {2 * self.sharded_numel:,} B; "
                      "ZeRO-3 = plain ZeRO-3 in bf16 (3M x (world-1)/world per rank)")

@@ -15,7 +15,7 @@ from .ledger import GraphComm, ShardedModel, collectives_in_graph
 from .passes import PASSES, GraphPass, PassContext
 from .passes.fx_util import is_backward, nodes_calling
 from .runtime.ops import gather_param_args
-from .runtime.registry import REGISTRY
+from .runtime.registry import COMPILATION, REGISTRY
 from .runtime.topology import Topology
 from .torch_compat import OpOverload, dynamo_timed, trace_structured
 
@@ -111,7 +111,7 @@ class PassManager:
     def record(self, comm: GraphComm, restored: bool = False) -> None:
         """Enters a compiled graph's collectives in the ledger. An entry `restored` from the compile
         cache is replaced if its graph is compiled after all (a backward compiled at its first use)."""
-        for entries in (self.graphs, REGISTRY.ledger):
+        for entries in (self.graphs, COMPILATION.ledger):
             same = [i for i, g in enumerate(entries) if g is self.restored.get(comm.graph_name)]
             if same:
                 entries[same[0]] = comm

@@ -9,7 +9,8 @@ the shard through `zpp::reduce_grad`; outside forward it is the shard itself (`f
 Run eagerly this is plain ZeRO-3; under `torch.compile(backend="zeropp")` the passes rewrite
 those ops. With Config.compile_layers_once, each layer gathers all its parameters first and
 computes inside a compile region that torch.compile partitions and compiles once for every
-identical layer.
+identical layer (`layer_regions`). What zeropp keeps on each module holding shards is one object,
+`module._zpp` (`module_state`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,37 +26,19 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .config import Config, ConfigError
-from . import leaf_modules
+from . import leaf_modules, padding
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
-from .grad_sync import GatherArgs, gather_local_shard, gathered_weight, local_shard
+from .grad_sync import gathered_weight
+from .layer_regions import compile_layers_once
+from .module_state import HeldShards, ParamLayout, held_shards
 from .initialization import (
     MetaInit, accept_full_tensors, await_initialization, broadcast_buffers, check_initialized, children_first, listing,
 )
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
-from .runtime.registry import REGISTRY, ShardingState
+from .runtime.registry import COMPILATION, REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
-from .torch_compat import TO_EMPTY_CONVERSION, reparametrize_module, regions_reuse_traces
-
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """How one parameter is sharded and gathered back."""
-
-    shape: torch.Size  # the original shape
-    shard_size: int  # elements per rank after padding: ceil(rows / world) * row size
-    group_size: int
-    group_name: str
-    dtype: torch.dtype  # compute dtype of the gathered weight
-    reduce_dtype: torch.dtype
-    sharding_id: int
-    index: int  # the parameter's place among the model's (tied ones share one), equal on every rank
-
-    @property
-    def gather_args(self) -> GatherArgs:
-        """What gathering the parameter reads, as `grad_sync.gather_local_shard` takes it."""
-        return (self.shape.numel(), tuple(self.shape), self.shard_size, self.group_size, self.group_name, self.dtype,
-                self.reduce_dtype, self.sharding_id)
+from .torch_compat import TO_EMPTY_CONVERSION
 
 
 def shard(
@@ -86,7 +67,7 @@ def shard(
     _check_same_on_every_rank(model, config)
     meta_init = MetaInit(model, init)
     topology = _topology(config)
-    padded_numel = sum(_padded_numel(p, topology.world.size) for p in model.parameters())
+    padded_numel = sum(padding.padded_numel(p, topology.world.size) for p in model.parameters())
     layers = _layers(model)
     layer_nbytes = max(_gathered_nbytes(layer, config, topology.world.size) for layer in layers.values())
     sharding_id, state = _register(ShardingState(config, topology, padded_numel, tuple(layers), layer_nbytes))
@@ -113,16 +94,11 @@ def shard(
                 sharded[id(param)] = _shard_parameter(initialized.get(name, param), state)
             module._parameters[name] = sharded[id(param)]
             layouts[name] = _layout(param, state, sharding_id, indices[id(param)])
-        _set_layouts(module, layouts)
-        module._zpp_sharding_id = sharding_id
-        module._zpp_scope = scope
-        module._zpp_accumulators = {}  # filled by set_requires_gradient_sync
-        if id(module) in in_leaves:
-            module._zpp_leaf_weights = {}  # filled while a leaf module around it runs
+        module._zpp = HeldShards(sharding_id, scope, layouts, leaf_weights={} if id(module) in in_leaves else None)
         module.__class__ = _gathering_class(type(module), frozenset(names), id(module) in in_leaves)
         accept_full_tensors(module)
     if config.compile_layers_once:
-        _compile_once(layers.values())
+        compile_layers_once(layers.values())
     for leaf in leaves:
         leaf_modules.attach(leaf)
     attach_to_model(model, scope)
@@ -221,7 +197,8 @@ def _structure(module: nn.Module) -> tuple:
 
 def _gathered_nbytes(module: nn.Module, config: Config, world_size: int) -> int:
     """Bytes of `module`'s parameters as gathered: in param_dtype, rows padded to whole shards."""
-    return sum(_padded_numel(p, world_size) * (config.param_dtype or p.dtype).itemsize for p in module.parameters())
+    return sum(padding.padded_numel(p, world_size) * (config.param_dtype or p.dtype).itemsize
+               for p in module.parameters())
 
 
 def _check_same_on_every_rank(model: nn.Module, config: Config) -> None:
@@ -260,7 +237,8 @@ def _register(state: ShardingState) -> tuple[int, ShardingState]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, reusable)
     if reusable is not None and len(set(everyone)) == 1:
-        return reusable, REGISTRY.take_back(reusable)
+        COMPILATION.forget_model(reusable)
+        return reusable, REGISTRY.states[reusable]
     return REGISTRY.add_state(state), state
 
 
@@ -290,24 +268,12 @@ def _shard_parameter(param: nn.Parameter, state: ShardingState) -> nn.Parameter:
     return out
 
 
-def _shard_size(param: nn.Parameter, world_size: int) -> int:
-    """Elements per rank: whole rows, padded so every rank holds the same number."""
-    rows = param.shape[0] if param.dim() else 1
-    row_numel = math.prod(param.shape[1:])  # 1 for a 0-d or 1-d parameter; a (0, n) one has n
-    return math.ceil(rows / world_size) * row_numel
-
-
-def _padded_numel(param: nn.Parameter, world_size: int) -> int:
-    """Elements of `param` as gathered: every rank's shard, padding included."""
-    return _shard_size(param, world_size) * world_size
-
-
 def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int, index: int) -> ParamLayout:
     topology, config = state.topology, state.config
     world = topology.world
     return ParamLayout(
         shape=param.shape,
-        shard_size=_shard_size(param, world.size),
+        shard_size=padding.shard_numel(param, world.size),
         group_size=world.size,
         group_name=world.name,
         dtype=config.param_dtype or param.dtype,
@@ -315,12 +281,6 @@ def _layout(param: nn.Parameter, state: ShardingState, sharding_id: int, index: 
         sharding_id=sharding_id,
         index=index,
     )
-
-
-def _set_layouts(module: nn.Module, layouts: dict[str, ParamLayout]) -> None:
-    """Gives `module` its parameters' layouts, and what gathering each reads as a plain tuple."""
-    module._zpp_layouts = layouts
-    module._zpp_gather_args = {name: layout.gather_args for name, layout in layouts.items()}
 
 
 def _gathering_class(cls: type, names: frozenset[str], in_leaf: bool) -> type:
@@ -363,8 +323,9 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
     shards (rank 0's values are kept: a collective, so every rank assigns), and must have the
     shape of the parameter it replaces; None removes the parameter. As with a plain module, an
     optimizer made before holds the old parameter."""
-    state = REGISTRY.states[module._zpp_sharding_id]
-    layouts, where = dict(module._zpp_layouts), f"{type(module).__name__.removeprefix('Sharded')}.{name}"
+    held = held_shards(module)
+    state = REGISTRY.states[held.sharding_id]
+    layouts, where = dict(held.layouts), f"{type(module).__name__.removeprefix('Sharded')}.{name}"
     if value is None:
         layouts.pop(name, None)
         module._parameters[name] = None
@@ -387,127 +348,10 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
             )
         new = value if is_shard else _shard_parameter(value, state)
         index = old.index if old is not None else -1  # -1: a parameter put where shard() found none
-        layouts[name] = _layout(new, state, module._zpp_sharding_id, index)
+        layouts[name] = _layout(new, state, held.sharding_id, index)
         module._parameters[name] = new
-    module._zpp_accumulators.pop(name, None)
-    _set_layouts(module, layouts)
-
-
-def _compile_once(layers: Iterable[nn.Module]) -> None:
-    """Gives each layer a forward that gathers the layer's parameters, then runs the layer's own
-    forward with them through `_layer_compute`, one compile region for every identical layer."""
-    region_classes: dict[type, type] = {}
-    for layer in layers:
-        holders = [(path, module) for path, module in layer.named_modules() if hasattr(module, "_zpp_layouts")]
-        if not holders:
-            continue
-        # By path: a region reused for another layer reaches that layer's modules from it.
-        layer._zpp_region_holders = tuple((path, tuple(module._zpp_layouts)) for path, module in holders)
-        cls = type(layer)
-        if cls not in region_classes:
-            # The class keeps its name, which transformers and wrap policies match layers by.
-            body = {"forward": _gather_then_compute, "_zpp_compute": cls.forward}
-            region_classes[cls] = type(cls.__name__, (cls,), body)
-        layer.__class__ = region_classes[cls]
-
-
-# Identical layers whose forwards read different constants (an HF layer's layer_idx) get a trace
-# each; torch's default cap on a region's traces (8) would stop deeper models with an error.
-_REGION_TRACES = 1024
-
-
-def _compile_region(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` as a nested compile region, with room for a trace per layer; `fn` itself on torch
-    versions without region reuse, where Config refuses compile_layers_once (so this module still
-    imports there)."""
-    if not regions_reuse_traces():
-        return fn
-    return torch.compiler.nested_compile_region(max_reuse_entries=_REGION_TRACES)(fn)
-
-
-def _gather_then_compute(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A layer's forward under Config.compile_layers_once: its parameters are gathered in one
-    compile region, which the backend puts back into the step's graph (where bucketing, reshard
-    after forward and the schedule act on them), and its compute runs in another, which stays a
-    region shared by identical layers."""
-    shards = [local_shard(module, name) for module, names in _holders(layer) for name in names]
-    weights = _gather_layer(layer, *shards)
-    layout, values = _flatten_call(args, kwargs)
-    return _layer_compute(layer, len(args), layout, *weights, *values)
-
-
-def _holders(layer: nn.Module) -> tuple[tuple[nn.Module, tuple[str, ...]], ...]:
-    """The modules of `layer` that hold shards, each with its sharded parameters' names."""
-    return tuple((layer.get_submodule(path), names) for path, names in layer._zpp_region_holders)
-
-
-@_compile_region
-def _gather_layer(layer: nn.Module, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`layer`'s parameters gathered from this rank's parts of their shards (plain tensors, which
-    any torch's regions take), in `_holders` order. A region only so that Dynamo traces the gathers
-    once for identical layers; the backend inlines it (`backend._inline_gathers`)."""
-    names = [(module, name) for module, module_names in _holders(layer) for name in module_names]
-    return tuple(gather_local_shard(module, name, local) for (module, name), local in zip(names, shards))
-
-
-def _flatten_call(args: tuple, kwargs: dict[str, Any]) -> tuple[str, list[Any]]:
-    """The layer's arguments as one list of values (a tuple argument's items in its place) and a
-    string that puts them back (`_unflatten_call`): Dynamo compares a region's tensors and
-    constants at each call directly, where any container costs it a traced pytree flatten."""
-    keys, values = [], []
-    for key, value in (*enumerate(args), *kwargs.items()):
-        if type(value) is tuple:
-            keys.append(f"{key}*{len(value)}")
-            values.extend(value)
-        else:
-            keys.append(str(key))
-            values.append(value)
-    return ",".join(keys), values
-
-
-def _unflatten_call(positional: int, layout: str, values: tuple) -> tuple[tuple, dict[str, Any]]:
-    """The arguments `_flatten_call` gave as `layout` and `values`; the first `positional` are positional."""
-    items, at = [], 0
-    for key in layout.split(",") if layout else ():
-        name, _, count = key.partition("*")
-        if count:
-            items.append((name, tuple(values[at:at + int(count)])))
-            at += int(count)
-        else:
-            items.append((name, values[at]))
-            at += 1
-    return tuple(value for _, value in items[:positional]), dict(items[positional:])
-
-
-@_compile_region
-def _layer_compute(layer: nn.Module, positional: int, layout: str, *values: Any) -> Any:
-    """`layer`'s own forward: `values` are its gathered weights (`_gather_layer`), in place of its
-    shards, then its arguments (`_flatten_call`).
-
-    A pure function of its tensors, so that Dynamo traces it for the first layer and reuses that
-    trace for every identical one (it refuses reuse for a region with side effects, such as
-    setting the weights on the modules): the weights are swapped in and back by
-    `torch_compat.reparametrize_module` (torch.func.functional_call's, which Dynamo knows to restore; the
-    public function would call the layer's hooks a second time), and the modules' gathering
-    properties return them. Run eagerly it is a plain call."""
-    holders = _holders(layer)
-    count = sum(len(names) for _, names in holders)
-    args, kwargs = _unflatten_call(positional, layout, values[count:])
-    return _compute_with(layer, holders, values[:count], args, kwargs)
-
-
-def _compute_with(
-    layer: nn.Module, holders: tuple[tuple[nn.Module, tuple[str, ...]], ...], weights: tuple[torch.Tensor, ...],
-    args: tuple, kwargs: dict,
-) -> Any:
-    """`layer`'s own forward with each module of `holders` holding its next `weights` in place of
-    its shards. One module per `reparametrize_module`: Dynamo disregards the swap of the
-    `_parameters` of the module it is given, not of that module's children."""
-    if not holders:
-        return type(layer)._zpp_compute(layer, *args, **kwargs)
-    (module, names), rest = holders[0], holders[1:]
-    with reparametrize_module(module, dict(zip(names, weights))):
-        return _compute_with(layer, rest, weights[len(names):], args, kwargs)
+    held.accumulators.pop(name, None)
+    held.set_layouts(layouts)
 
 
 def _apply_to_shards(
@@ -518,7 +362,8 @@ def _apply_to_shards(
     gathers then produce the new dtype unless Config.param_dtype fixes one. The shards must stay
     on the device of the process groups (`shard()` put them there). `to_empty()` (FSDP2's step
     before the model's own initialization) leaves each shard unset until something writes it."""
-    shards = {id(p): p for p in (module._parameters[name] for name in module._zpp_layouts)}
+    held = held_shards(module)
+    shards = {id(p): p for p in (module._parameters[name] for name in held.layouts)}
     for shard in shards.values():
         state = REGISTRY.params[shard]
         with torch.no_grad():
@@ -541,10 +386,10 @@ def _apply_to_shards(
             if key in unset:
                 REGISTRY.unset[shard] = unset[key]
     layouts = {}
-    for name, layout in module._zpp_layouts.items():
+    for name, layout in held.layouts.items():
         dtype = REGISTRY.states[layout.sharding_id].config.param_dtype or module._parameters[name].dtype
         layouts[name] = dataclasses.replace(layout, dtype=dtype)
-    _set_layouts(module, layouts)
+    held.set_layouts(layouts)
     if getattr(fn, "__qualname__", "") == TO_EMPTY_CONVERSION:
         await_initialization(list(shards.values()), REGISTRY.params[next(iter(shards.values()))])
     return out
