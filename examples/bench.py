@@ -105,7 +105,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zpp_compile as zpp
 from zpp_compile import padding, text_table
-from zpp_compile.runtime.topology import peers_by_link, received_bytes
+from zpp_compile.runtime.topology import world_received_bytes
 from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
@@ -572,7 +572,7 @@ def gather_reduce_bytes(shard_numel: int, gathers: int, reduce_dtype: torch.dtyp
     reduce-scatter in `reduce_dtype` over all ranks, counted as zeropp's ledger counts them:
     each peer sends this rank one shard's worth per collective."""
     per_peer = shard_numel * (2 * gathers + torch.empty((), dtype=reduce_dtype).element_size())
-    return received_bytes(*peers_by_link(0, ranks_per_node, range(world)), per_peer)  # every rank sees the same
+    return world_received_bytes(world, ranks_per_node, per_peer)
 
 
 def rank_max(value: float, device: torch.device) -> float:

@@ -36,6 +36,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernels' definition
 
+from zpp_compile import text_table  # noqa: E402
 from zpp_compile.runtime import grad_quant as gq  # noqa: E402
 
 ESIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -304,15 +305,12 @@ def main(argv=None):
           f"{args.ranks} ranks   block {args.block_size}")
     print(f"copy of the gradient (read + write): {copy_bw / 1e12:.3f} TB/s; each row against a "
           f"copy of its own bytes (column copy)")
-    hdr = (f"{'kernel':<18} {'in':<5} {'bits':>4} {'MB':>8} {'us':>9} {'TB/s':>7} {'copy':>7} "
-           f"{'% copy':>7} exact")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        bits = str(r["bits"]) if r["out_bits"] == r["bits"] else f"{r['bits']}>{r['out_bits']}"
-        print(f"{r['kernel']:<18} {r['dtype']:<5} {bits:>4} {r['bytes'] / 2**20:>8.1f} "
-              f"{r['time_us']:>9.1f} {r['TBps']:>7.3f} {r['copy_TBps']:>7.3f} {r['pct_copy']:>6.1f}% "
-              f"{'-' if r['bit_exact'] is None else ('yes' if r['bit_exact'] else 'NO')}")
+    cells = [(r["kernel"], r["dtype"], r["bits"] if r["out_bits"] == r["bits"] else f"{r['bits']}>{r['out_bits']}",
+              f"{r['bytes'] / 2**20:.1f}", f"{r['time_us']:.1f}", f"{r['TBps']:.3f}", f"{r['copy_TBps']:.3f}",
+              f"{r['pct_copy']:.1f}%", "-" if r["bit_exact"] is None else ("yes" if r["bit_exact"] else "NO"))
+             for r in rows]
+    print(text_table.render(("kernel", "in", "bits", "MB", "us", "TB/s", "copy", "% copy", "exact"), cells,
+                            align="<<>>>>>><", gap=1))
 
     sweep = []
     if args.sweep:

@@ -78,6 +78,28 @@ def received_bytes(peers_same_node: int, peers_other_nodes: int, per_peer: int) 
     return peers_same_node * per_peer, peers_other_nodes * per_peer
 
 
+def bytes_per_peer(gathers: bool, input_bytes: int, group_size: int) -> int:
+    """What each peer sends a rank in a collective whose input is `input_bytes` on every member:
+    an all-gather's peer its whole input, a reduce-scatter's or all-to-all's the rank's chunk."""
+    return input_bytes if gathers else input_bytes // group_size
+
+
+def world_received_bytes(world_size: int, ranks_per_node: int, per_peer: int) -> tuple[int, int]:
+    """(intra, inter) bytes any rank receives in a collective over all ranks in which each peer
+    sends it `per_peer` bytes (every rank's view is alike, so rank 0's is taken)."""
+    return received_bytes(*peers_by_link(0, ranks_per_node, range(world_size)), per_peer)
+
+
+def node_groups(world_size: int, ranks_per_node: int) -> list[tuple[int, ...]]:
+    """The intra-node groups: each node's ranks."""
+    return [tuple(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world_size // ranks_per_node)]
+
+
+def local_index_groups(world_size: int, ranks_per_node: int) -> list[tuple[int, ...]]:
+    """The inter-node groups: the ranks of one local index on every node."""
+    return [tuple(range(local, world_size, ranks_per_node)) for local in range(ranks_per_node)]
+
+
 def secondary_groups(world_size: int, size: int) -> list[tuple[int, ...]]:
     """hpZ's secondary groups: `size` consecutive ranks each (normally one node's, or part of it)."""
     return [tuple(range(k * size, (k + 1) * size)) for k in range(world_size // size)]
@@ -100,23 +122,22 @@ def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: floa
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     timeout = timedelta(seconds=timeout_s)
-    num_nodes = world_size // ranks_per_node
 
-    def my_group(rank_lists: list[list[int]]) -> tuple[Group, dist.ProcessGroup]:
+    def my_group(rank_lists: list[tuple[int, ...]]) -> tuple[Group, dist.ProcessGroup]:
         # Every rank creates every group, in the same order (torch.distributed requires it).
         mine = None
         for ranks in rank_lists:
-            pg = dist.new_group(ranks, timeout=timeout)
+            pg = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
-                mine = Group(pg.group_name, tuple(ranks)), pg
+                mine = Group(pg.group_name, ranks), pg
         return mine
 
-    world, world_pg = my_group([list(range(world_size))])
-    intra, _ = my_group([list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(num_nodes)])
-    inter, _ = my_group([list(range(local, world_size, ranks_per_node)) for local in range(ranks_per_node)])
+    world, world_pg = my_group([tuple(range(world_size))])
+    intra, _ = my_group(node_groups(world_size, ranks_per_node))
+    inter, _ = my_group(local_index_groups(world_size, ranks_per_node))
     secondary = None
     if hpz_partition_size:
-        secondary, _ = my_group([list(ranks) for ranks in secondary_groups(world_size, hpz_partition_size)])
+        secondary, _ = my_group(secondary_groups(world_size, hpz_partition_size))
 
     agreement = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from zpp_compile import padding, text_table
-from zpp_compile.runtime.topology import peers_by_link, received_bytes, secondary_groups, secondary_member
+from zpp_compile.runtime.topology import (bytes_per_peer, local_index_groups, node_groups, peers_by_link,
+                                          received_bytes, secondary_groups, secondary_member, world_received_bytes)
 
 
 def test_peers_are_counted_by_link_from_the_ranks_place():
@@ -16,6 +17,21 @@ def test_peers_are_counted_by_link_from_the_ranks_place():
     assert peers_by_link(0, 1, (0,)) == (0, 0)
     # An all-gather where each peer sends 10 bytes: 3 peers on the node, 4 elsewhere.
     assert received_bytes(*peers_by_link(5, 4, range(8)), 10) == (30, 40)
+    assert world_received_bytes(8, 4, 10) == (30, 40)  # every rank's view of the world group is alike
+    assert world_received_bytes(4, 4, 10) == (30, 0)
+
+
+def test_peers_send_a_gathers_whole_input_and_a_reductions_chunk():
+    # An all-gather of M = 40 bytes over 4 ranks: inputs of 10, each peer sends all of its 10, so
+    # a rank receives 3 x 10 = M x (n-1)/n; a reduce-scatter of 40-byte inputs: each peer 40 / 4.
+    assert bytes_per_peer(True, 10, 4) == 10
+    assert bytes_per_peer(False, 40, 4) == 10
+
+
+def test_node_groups_and_local_index_groups_follow_torchruns_numbering():
+    assert node_groups(8, 4) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert local_index_groups(8, 4) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert local_index_groups(2, 2) == [(0,), (1,)]
 
 
 def test_secondary_groups_are_consecutive_ranks():
@@ -33,6 +49,8 @@ def test_shards_hold_whole_rows_padded_to_equal_size():
     assert padding.shard_numel(torch.empty(5), 2) == 3
     assert padding.shard_numel(torch.tensor(1.0), 4) == 1  # 0-d: every rank holds it whole
     assert padding.shard_numel(torch.empty(0, 4), 2) == 0
+    assert padding.rows_per_rank(7, 4) == len(torch.empty(7).chunk(4)[0])  # torch.chunk's chunk size
+    assert padding.rows_per_rank(8, 4) == 2
 
 
 def test_text_table_aligns_columns_to_their_widest_cell():

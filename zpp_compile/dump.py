@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, zeropp_groups
 from .runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
-from .runtime.topology import Topology
+from .runtime.topology import Topology, bytes_per_peer
 from .torch_compat import C10D_FUNCTIONAL, OpOverload
 
 
@@ -101,22 +101,22 @@ class GraphDump:
             if node.target is zpp.all_gather_param.default:
                 gather = gather_param_args(node)
                 op, group_name, dtype = "zpp.all_gather_param", gather.group_name, gather.dtype
-                per_peer = gather.shard_size * dtype.itemsize
+                input_bytes = gather.shard_size * dtype.itemsize
             elif node.target is zpp.all_gather_flat.default:
                 flat = gather_flat_args(node)
                 op, group_name, dtype = "zpp.all_gather_flat", flat.group_name, flat.x.meta["val"].dtype
-                per_peer = flat.x.meta["val"].nbytes
+                input_bytes = flat.x.meta["val"].nbytes
             elif node.target is zpp.reduce_grad.default:
                 reduction = reduce_grad_args(node)
                 op, group_name, dtype = "zpp.reduce_grad", reduction.group_name, reduction.dtype
-                per_peer = reduction.grad.meta["val"].numel() * dtype.itemsize // reduction.group_size
+                input_bytes = reduction.grad.meta["val"].numel() * dtype.itemsize
             else:
                 continue
             group = groups.get(str(group_name))
             if group is None:
                 continue
-            intra, inter = topology.received_bytes(group, per_peer)
             of_gradient = node.target is zpp.reduce_grad.default
+            intra, inter = topology.received_bytes(group, bytes_per_peer(not of_gradient, input_bytes, group.size))
             records.append(CollectiveRecord(op, group, dtype, intra, inter, of_gradient))
         return records
 

@@ -16,17 +16,17 @@ Two accountings, side by side:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
 
-from . import text_table
+from . import padding, text_table
 from .config import Config, ConfigError
 from .pass_manager import enabled_passes
 from .runtime.grad_quant_format import piece_bytes
-from .runtime.topology import peers_by_link, received_bytes, secondary_groups
+from .runtime.topology import (local_index_groups, node_groups, peers_by_link, received_bytes, secondary_groups,
+                               world_received_bytes)
 from .ledger import PHASES
 from .runtime.weight_quant_format import packed_weight_bytes
 
@@ -97,7 +97,7 @@ def predict(config: Config, n_params: int, world_size: int, ranks_per_node: int,
     qwz = "quantize_weights" in on
     qgz = "quantize_gradients" in on
     link = _Link(world_size, ranks_per_node)
-    shard = math.ceil(n_params / world_size)
+    shard = padding.shard_numel((n_params,), world_size)
     param_bytes = (config.param_dtype or stored_dtype).itemsize
     reduce_bytes = config.reduce_dtype.itemsize
 
@@ -139,8 +139,8 @@ def _qgz(config: Config, link: _Link, shard: int) -> PhaseVolume:
     inter_piece = piece_bytes(shard, block, config.gradient_bits)
     # First hop, within the node: each peer sends this rank a piece for each node; second hop,
     # across nodes, over the ranks of this rank's local index: each peer sends one piece.
-    intra, _ = received_bytes(*link.peers_of_first(range(local)), nodes * intra_piece)
-    _, inter = received_bytes(*link.peers_of_first(range(0, link.world_size, local)), inter_piece)
+    intra, _ = received_bytes(*link.peers_of_first(node_groups(link.world_size, local)[0]), nodes * intra_piece)
+    _, inter = received_bytes(*link.peers_of_first(local_index_groups(link.world_size, local)[0]), inter_piece)
     return PhaseVolume(PHASES[2], "qgZ", config.gradient_bits / 16, intra, inter)
 
 
@@ -155,7 +155,7 @@ class _Link:
 
     def world(self, per_peer: int) -> tuple[int, int]:
         """(intra, inter) bytes a rank receives when each other rank sends it `per_peer` bytes."""
-        return received_bytes(*self.peers_of_first(range(self.world_size)), per_peer)
+        return world_received_bytes(self.world_size, self.local, per_peer)
 
     def peers_of_first(self, group_ranks: Sequence[int]) -> tuple[int, int]:
         """Rank 0's peers in its group `group_ranks`: (on its node, on other nodes). The

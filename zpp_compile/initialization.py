@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from . import padding
 from .runtime.registry import REGISTRY, ShardingState
 from .runtime.topology import Topology
 
@@ -234,7 +235,7 @@ def _full_tensors_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_
 def shard_rows(tensor: DTensor) -> tuple[int, int]:
     """The rows [start, stop) of a dim-0 sharded DTensor this rank holds (torch.chunk's sizes)."""
     rows, world = tensor.shape[0], tensor.device_mesh.size()
-    per_rank = math.ceil(rows / world)
+    per_rank = padding.rows_per_rank(rows, world)
     start = min(tensor.device_mesh.get_local_rank() * per_rank, rows)
     return start, min(start + per_rank, rows)
 
@@ -326,7 +327,7 @@ def _scatter_rows(target: DTensor, value: torch.Tensor | None, src: int, topolog
     """Copies this rank's rows of `value` (the full tensor, on rank `src` only) into `target`'s
     shard; every rank receives an equal, padded chunk, of which it keeps its rows."""
     world, rows = topology.world_size, target.shape[0]
-    per_rank = math.ceil(rows / world)
+    per_rank = padding.rows_per_rank(rows, world)
     local = target.to_local()
     received = local.new_empty((per_rank, *target.shape[1:]))
     chunks = None

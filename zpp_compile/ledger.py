@@ -18,7 +18,7 @@ import torch.fx as fx
 from . import text_table
 from .passes.fx_util import backward_nodes
 from .runtime.collectives import ALL_GATHERS
-from .runtime.topology import Group, Topology, peers_by_link, received_bytes
+from .runtime.topology import Group, Topology, bytes_per_peer, world_received_bytes
 from .torch_compat import C10D_FUNCTIONAL
 
 _c10d = C10D_FUNCTIONAL
@@ -73,8 +73,7 @@ class ShardedModel:
         ranks, each peer sending this rank 2 x padded_numel / world bytes, counted as
         `collectives_in_graph` counts them."""
         per_peer = 2 * self.padded_numel // self.world_size
-        peers = peers_by_link(0, self.ranks_per_node, range(self.world_size))  # every rank sees the same
-        return received_bytes(*peers, 3 * per_peer)
+        return world_received_bytes(self.world_size, self.ranks_per_node, 3 * per_peer)
 
 
 @dataclass(frozen=True)
@@ -159,9 +158,7 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
             continue
         value = node.args[0].meta["val"]
         nbytes = value.numel() * value.element_size()
-        # What each peer sends this rank: its whole input for a gather, else the chunk for here.
-        per_peer = nbytes if op == "all_gather" else nbytes // group.size
-        intra, inter = topology.received_bytes(group, per_peer)
+        intra, inter = topology.received_bytes(group, bytes_per_peer(op == "all_gather", nbytes, group.size))
         records[node] = CollectiveRecord(op, group, value.dtype, intra, inter, node in of_gradients)
     return records
 

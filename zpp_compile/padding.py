@@ -9,6 +9,11 @@ from typing import Sequence
 import torch
 
 
+def rows_per_rank(rows: int, world_size: int) -> int:
+    """Rows of a dim-0 sharded tensor each rank holds, padding included: torch.chunk's chunk size."""
+    return math.ceil(rows / world_size)
+
+
 def shard_numel(param_or_shape: torch.Tensor | Sequence[int], world_size: int) -> int:
     """Elements of one rank's shard of a parameter (or of a parameter of this shape) sharded over
     `world_size` ranks: its rows split evenly, rounded up to whole rows. A 0-d parameter, which
@@ -16,7 +21,7 @@ def shard_numel(param_or_shape: torch.Tensor | Sequence[int], world_size: int) -
     shape = tuple(param_or_shape.shape if isinstance(param_or_shape, torch.Tensor) else param_or_shape)
     rows = shape[0] if shape else 1
     row_numel = math.prod(shape[1:])  # 1 for a 0-d or 1-d parameter; a (0, n) one has n
-    return math.ceil(rows / world_size) * row_numel
+    return rows_per_rank(rows, world_size) * row_numel
 
 
 def padded_numel(param_or_shape: torch.Tensor | Sequence[int], world_size: int) -> int:
