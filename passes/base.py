@@ -26,6 +26,9 @@ FULL_PRECISION = "zpp_full_precision"
 # Node metadata set on the copies of forward nodes that activation checkpointing makes for
 # backward: passes that treat backward's uses of a weight apart (hpZ) treat these uses alike.
 RECOMPUTED = "zpp_recomputed"
+# Node metadata set on hpZ's secondary copies (kept from forward to backward): the pass manager
+# reports their bytes with the forward graph.
+SECONDARY_COPY = "zpp_secondary_copy"
 
 
 def weight_block_size(config: Any, gather: fx.Node) -> int:

@@ -7,7 +7,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.ops import gather_secondary, secondary_slice
-from .base import RECOMPUTED, PassContext, weight_gathers
+from ..torch_compat import RECOMPUTE
+from .base import RECOMPUTED, SECONDARY_COPY, PassContext, weight_gathers
 from .fx_util import backward_nodes, insert_traced, weight_chain
 
 
@@ -47,8 +48,8 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
         users = set(weight.users)  # before the copy's own nodes start reading the weight
         sliced = members > 1
         copy = insert_traced(graph, weight.next, secondary_slice, source, member, members) if sliced else source
-        copy.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        copy.meta["zpp_secondary_copy"] = True
+        copy.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
+        copy.meta[SECONDARY_COPY] = True
         with graph.inserting_after(copy if sliced else weight):
             kept = graph.call_function(torch.ops.zpp.with_secondary_copy.default, (weight, copy))
         kept.meta.update(val=weight.meta["val"], recompute=CheckpointPolicy.MUST_RECOMPUTE)
@@ -62,7 +63,7 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
         with graph.inserting_before(first_backward_use):
             for node in chain[1:]:
                 rebuilt[node] = graph.node_copy(node, lambda arg: rebuilt.get(arg, arg))
-                rebuilt[node].meta.pop("recompute", None)
+                rebuilt[node].meta.pop(RECOMPUTE, None)
         for node in chain:
             for user in list(node.users):
                 if user in needs_grad:

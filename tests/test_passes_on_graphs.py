@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import zpp_compile as zpp
 from zpp_compile.passes import PASSES, PassContext
-from zpp_compile.passes.base import READ_REPEATEDLY, RECOMPUTED, weight_gathers
+from zpp_compile.passes.base import READ_REPEATEDLY, RECOMPUTED, SECONDARY_COPY, weight_gathers
 from zpp_compile.passes.checkpoint_activations import checkpoint_activations
 from zpp_compile.passes.fx_util import ancestors, backward_nodes, layer_of, weight_chain
 from zpp_compile.passes.gather_once import gather_once
@@ -425,7 +425,7 @@ def test_hierarchical_partition__backward_gathers_within_the_secondary_group_onl
     joint, forward, backward = hpz_lowered(reshard_after_forward, hierarchical_partition)
 
     # Forward keeps rank 1's half of each weight backward reads (not the first norm's) as its copy.
-    copies = [n for n in joint.nodes if n.meta.get("zpp_secondary_copy")]
+    copies = [n for n in joint.nodes if n.meta.get(SECONDARY_COPY)]
     assert len(copies) == 5 and all(n.meta[RECOMPUTE] == MUST_SAVE and n.target is aten.clone.default for n in copies)
     for copy in copies:
         (sliced,) = copy.all_input_nodes
@@ -567,6 +567,6 @@ def test_lower_collectives__zpp_ops_become_plain_zero3_functional_collectives():
 
 def test_hierarchical_partition__a_group_of_one_keeps_the_whole_weight_and_backward_gathers_nothing():
     joint, _, backward = hpz_lowered(reshard_after_forward, hierarchical_partition, group=(1,))
-    copies = [n for n in joint.nodes if n.meta.get("zpp_secondary_copy")]
+    copies = [n for n in joint.nodes if n.meta.get(SECONDARY_COPY)]
     assert len(copies) == 5 and all(n.target is GATHER and n.meta[RECOMPUTE] == MUST_SAVE for n in copies)
     assert [c[0] for c in collectives(backward)] == ["reduce_scatter_tensor"] * 6

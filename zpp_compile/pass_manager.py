@@ -13,6 +13,7 @@ from .config import Config
 from .dump import GraphDump
 from .ledger import GraphComm, ShardedModel, collectives_in_graph
 from .passes import PASSES, GraphPass, PassContext
+from .passes.base import SECONDARY_COPY
 from .passes.fx_util import is_backward, nodes_calling
 from .runtime.ops import gather_param_args
 from .runtime.registry import COMPILATION, REGISTRY
@@ -97,7 +98,7 @@ class PassManager:
                 self.dump.write_pass(f"{ctx.graph_name}.{stage}.{index:02d}.{graph_pass.name}", before, graph)
         if stage == "joint":
             self.secondary_bytes = sum(
-                n.meta["val"].nbytes for n in graph.nodes if n.meta.get("zpp_secondary_copy")
+                n.meta["val"].nbytes for n in graph.nodes if n.meta.get(SECONDARY_COPY)
             )
         else:
             graph.eliminate_dead_code()
