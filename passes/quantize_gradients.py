@@ -28,7 +28,7 @@ def quantize_gradients(graph: fx.Graph, ctx: PassContext) -> None:
         if block := gradient_block_size(config, node):
             replace_with_traced(
                 graph, node, reduce_grad_quantized, reduction.grad, reduction.shard_numel, reduction.dtype,
-                topology.num_nodes,
-                topology.ranks_per_node, topology.intra_node.name, topology.inter_node.name,
+                topology.num_nodes, topology.ranks_per_node, topology.node, topology.intra_node.name,
+                topology.inter_node.name,
                 config.intra_node_gradient_bits, config.gradient_bits, block,
             )

@@ -13,7 +13,6 @@ import contextlib
 from typing import Any, Iterator, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 import torch.nn.functional as F
@@ -47,6 +46,7 @@ def reduce_grad_quantized(
     dtype: torch.dtype,
     num_nodes: int,
     ranks_per_node: int,
+    node: int,
     intra_group: str,
     inter_group: str,
     intra_bits: int,
@@ -62,8 +62,7 @@ def reduce_grad_quantized(
     `all_to_all_between_nodes`). With one node, or one rank per node, the missing hop is
     skipped. Sums are in float32; the result is the mean in `dtype`.
     """
-    nodes, local = num_nodes, ranks_per_node
-    node = dist.get_rank() // local  # this rank's member index in its inter-node group
+    nodes, local = num_nodes, ranks_per_node  # `node`: this rank's node, its index in its inter-node group
     shard_size = grad.numel() // (nodes * local)
     mean = 1.0 / (nodes * local)
     if nodes == 1 or local == 1:

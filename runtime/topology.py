@@ -53,6 +53,11 @@ class Topology:
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
 
+    @property
+    def node(self) -> int:
+        """This rank's node, which is also its index in its inter-node group."""
+        return node_of(self.rank, self.ranks_per_node)
+
     def received_bytes(self, group: Group, per_peer: int) -> tuple[int, int]:
         """(intra, inter) bytes this rank receives in a collective over `group` in which every
         other member sends it `per_peer` bytes."""
@@ -64,11 +69,16 @@ class Topology:
         return secondary_member(self.rank, self.secondary.size)
 
 
+def node_of(rank: int, ranks_per_node: int) -> int:
+    """The node of `rank`: ranks are numbered node by node, as torchrun numbers them."""
+    return rank // ranks_per_node
+
+
 def peers_by_link(rank: int, ranks_per_node: int, group_ranks: Sequence[int]) -> tuple[int, int]:
     """How many other members of the group `group_ranks` are on `rank`'s node, and how many are on
-    other nodes (`rank` is a member; ranks are numbered node by node)."""
-    node = rank // ranks_per_node
-    same = sum(1 for r in group_ranks if r != rank and r // ranks_per_node == node)
+    other nodes (`rank` is a member)."""
+    node = node_of(rank, ranks_per_node)
+    same = sum(1 for r in group_ranks if r != rank and node_of(r, ranks_per_node) == node)
     return same, len(group_ranks) - 1 - same
 
 

@@ -31,7 +31,8 @@ TOPOLOGIES = [  # (world size, ranks per node): 2 nodes x 2, 2 nodes x 1, 1 node
 def reduce(grad: torch.Tensor, numel: int, topology, intra_bits: int, inter_bits: int) -> torch.Tensor:
     return reduce_grad_quantized(
         grad.to(device()), math.ceil(numel / topology.world_size), torch.float32, topology.num_nodes,
-        topology.ranks_per_node, topology.intra_node.name, topology.inter_node.name, intra_bits, inter_bits, BLOCK,
+        topology.ranks_per_node, topology.node, topology.intra_node.name, topology.inter_node.name, intra_bits,
+        inter_bits, BLOCK,
     ).cpu()
 
 
