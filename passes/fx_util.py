@@ -38,9 +38,8 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
 
     Tracing costs far more than copying: a trace is kept and copied again for the same function,
     constants and argument shapes, as every identical layer of a model asks for; the copy's values
-    are computed afresh, in this graph's fake mode. The traces are kept with the compilation's fake
-    mode (shared by its forward and backward graphs) and go with it, so nothing outlives the
-    compiled code (or `torch.compiler.reset()`).
+    are computed afresh, in this graph's fake mode. The traces are kept with the fake mode they were
+    traced in, weakly, and go with it: nothing outlives the compilation (or `torch.compiler.reset()`).
     """
     tensor_args = [a for a in args if isinstance(a, fx.Node)]
     values = [a.meta["val"] for a in tensor_args]

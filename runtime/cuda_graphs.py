@@ -28,9 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from ..torch_compat import (
-    USER_VISIBLE_OUTPUTS, compile_fx_inner, inner_compile_kept_cudagraphs, is_inner_compile_of_backward,
-)
+from ..torch_compat import INNER_COMPILE_CUDAGRAPHS, INNER_COMPILE_IS_BACKWARD, USER_VISIBLE_OUTPUTS, compile_fx_inner
 from .registry import COMPILATION
 
 
@@ -87,9 +85,9 @@ def graphed_inner_compile(
 ) -> GraphedCallable:
     """`compile_fx_inner` under `triton.cudagraphs`, its result wrapped as the module docstring
     says (pass as compile_fx's inner_compile)."""
-    name = "backward" if is_inner_compile_of_backward(kwargs) else "forward"
+    name = "backward" if kwargs.get(INNER_COMPILE_IS_BACKWARD) else "forward"
     compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-    if not inner_compile_kept_cudagraphs(kwargs):  # Inductor turns this flag off when it cannot capture
+    if not kwargs.get(INNER_COMPILE_CUDAGRAPHS):  # Inductor turns this flag off when it cannot capture
         info = getattr(compiled, "cudagraph_info", None)
         reasons = "; ".join(getattr(info, "cudagraph_fail_reasons", None) or ["see TORCH_LOGS=perf_hints"])
         raise RuntimeError(

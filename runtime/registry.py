@@ -93,6 +93,5 @@ class Registry:
         return next((i for i, known in enumerate(self.states) if known == state and id(known) not in live), None)
 
 
-
 REGISTRY = Registry()
 COMPILATION = CompilationRegistry()

@@ -154,7 +154,7 @@ def test_compile_fx_marks_user_visible_outputs_before_inner_compile():
 
     def inner_compile(gm, example_inputs, **kwargs):
         output = next(iter(reversed(gm.graph.nodes)))
-        seen.append((tc.is_inner_compile_of_backward(kwargs), output.meta.get(tc.USER_VISIBLE_OUTPUTS)))
+        seen.append((bool(kwargs.get(tc.INNER_COMPILE_IS_BACKWARD)), output.meta.get(tc.USER_VISIBLE_OUTPUTS)))
         from functorch.compile import make_boxed_func
         return make_boxed_func(gm)
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .module_state import held_shards
 from .runtime.agreement import check_same_eager_gather
 from .runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal
-from .module_state import held_shards
 from .runtime.registry import REGISTRY
 
 

@@ -147,11 +147,3 @@ def node_module_stack(node: fx.Node) -> dict[str, Any] | None:
     """The module stack Dynamo recorded for a node (forward), or the one AOTAutograd copied to its
     backward counterpart."""
     return node.meta.get(NN_MODULE_STACK) or node.meta.get(FWD_NN_MODULE_STACK)
-
-
-def is_inner_compile_of_backward(kwargs: dict[str, Any]) -> bool:
-    return bool(kwargs.get(INNER_COMPILE_IS_BACKWARD))
-
-
-def inner_compile_kept_cudagraphs(kwargs: dict[str, Any]) -> bool:
-    return bool(kwargs.get(INNER_COMPILE_CUDAGRAPHS))
