@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
-from distributed import BACKEND, device, run_ranks
+from distributed import BACKEND, device, in_turn, run_ranks
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES
 
@@ -210,3 +210,24 @@ def test_bad_arguments_to_the_public_api():
             zpp.set_requires_gradient_sync(not_sharded, False)
     with pytest.raises(TypeError, match="must be True or False"):
         zpp.set_requires_gradient_sync(nn.Linear(2, 2), 0)
+
+
+def _returns_rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+def _raises_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("the check this scenario makes failed")
+    return rank
+
+
+@pytest.mark.distributed
+def test_a_failing_scenario_of_a_shared_group_is_named():
+    # Module fixtures run many scenarios on one group of ranks (in_turn); a failure must say which.
+    assert run_ranks(in_turn, 2, {"first": (_returns_rank,), "second": (_returns_rank,)}) == \
+        [{"first": 0, "second": 0}, {"first": 1, "second": 1}]
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(in_turn, 2, {"first": (_returns_rank,), "second": (_raises_on_rank_1,)})
+    assert "ScenarioFailed: scenario 'second' failed on rank 1" in str(failure.value)
+    assert "ValueError: the check this scenario makes failed" in str(failure.value)  # the cause, chained
