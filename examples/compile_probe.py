@@ -14,8 +14,8 @@ scheduling and code generation, and the compilation of the generated code (C++ /
     python examples/compile_probe.py --shape llama-3b --nproc 1 --seq 2048 --batch 2 --dtype bf16
 
 Variants: `fsdp2` (`fully_shard` on every decoder layer and the root, then `torch.compile(model)`),
-`zero3` (zeropp, plain ZeRO-3), `zero3-regions` (the same with `Config.compile_layers_once`, torch 2.13+: one
-compile region for every identical layer), `all3` (zeropp with qwZ, hpZ and qgZ). `--profile DIR` writes a
+`zero3` (zeropp, plain ZeRO-3), `zero3-layers` (the same with `Config.compile_layers_once`: each layer a graph
+of its own, compiled once for every identical layer), `all3` (zeropp with qwZ, hpZ and qgZ). `--profile DIR` writes a
 cProfile of rank 0's first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof` and the
 top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.
 """
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, help="override the shape's hidden size (intermediate = 2.75x)")
     p.add_argument("--heads", type=int, help="override the shape's attention heads (KV heads at most as many)")
     p.add_argument("--vocab", type=int, help="override the shape's vocabulary size")
-    p.add_argument("--variants", nargs="+", choices=["fsdp2", "zero3", "zero3-regions", "all3"],
+    p.add_argument("--variants", nargs="+", choices=["fsdp2", "zero3", "zero3-layers", "all3"],
                    default=["fsdp2", "zero3"])
     p.add_argument("--launches", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
                    help="launches per variant and depth, in this order on one cache directory")
@@ -118,7 +118,7 @@ def prepare(args: argparse.Namespace, model: nn.Module, device: torch.device) ->
         return torch.compile(model)
     import zpp_compile as zpp
 
-    options = {"param_dtype": compute, "ranks_per_node": world, "compile_layers_once": args.variant == "zero3-regions"}
+    options = {"param_dtype": compute, "ranks_per_node": world, "compile_layers_once": args.variant == "zero3-layers"}
     if args.variant == "all3":
         # Two emulated nodes where there are two ranks or more, so each technique has a link to act on.
         per_node = max(world // 2, 1)

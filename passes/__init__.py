@@ -14,12 +14,10 @@ from .lower_collectives import lower_collectives
 from .quantize_gradients import quantize_gradients
 from .quantize_weights import quantize_weights
 from .realize_shared_values import realize_shared_values
-from .region_weights import region_weights
 from .reshard_after_forward import reshard_after_forward
 from .schedule_overlap import schedule_overlap
 
 PASSES: tuple[GraphPass, ...] = (
-    GraphPass("region_weights", "joint", region_weights),
     GraphPass("gather_once", "joint", gather_once),
     GraphPass("bucket_collectives", "joint", bucket_collectives,
               wanted=lambda config: config.bucket_size != 0),

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime.ops import dequantize_weight_args, gather_param_args, reduce_grad_args
+from .fx_util import layer_of
 
 # Node metadata set on the gather of a parameter read in several places (gather_once): its weight
 # is held from the first read to the last, so bucketing keeps it apart from weights read once.
@@ -88,6 +89,13 @@ class PassContext:
     # Whether a bucket must keep within one layer: Config.bucket_size="layer", which the backend
     # has replaced by the largest layer's bytes in `config`; a size given in bytes may span layers.
     buckets_within_layers: bool = True
+    # The graph is one layer's own (Config.compile_layers_once): every node belongs to that layer.
+    one_layer: bool = False
+
+    def layer_of(self, node: fx.Node) -> str | None:
+        """The layer whose forward `node` belongs to (`fx_util.layer_of`); in one layer's own
+        graph, that layer, named "" (the graph serves every identical layer)."""
+        return "" if self.one_layer else layer_of(node, self.layers)
 
 
 @dataclass(frozen=True)

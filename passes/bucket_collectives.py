@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ..runtime.buckets import member_starts
 from ..runtime.ops import gather_param_args, reduce_grad_args
 from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext, gradient_block_size, weight_block_size
-from .fx_util import gathered_param, hoist, insert_traced, layer_of, nodes_calling, sink_users
+from .fx_util import gathered_param, hoist, insert_traced, nodes_calling, sink_users
 
 
 @dataclass
@@ -41,8 +41,7 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     """
     size = ctx.config.bucket_size
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
-    layers = ctx.layers if ctx.buckets_within_layers else ()
-    layer_of_node = lambda n: layer_of(n, layers)  # noqa: E731
+    layer_of_node = ctx.layer_of if ctx.buckets_within_layers else lambda n: None
     for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config), layer_of_node):
         _merge_gathers(graph, bucket)
     reductions = nodes_calling(graph, torch.ops.zpp.reduce_grad.default)

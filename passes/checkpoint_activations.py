@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..torch_compat import RECOMPUTE, OpOverload, mutates_arguments, op_arguments
 from .base import RECOMPUTED, PassContext
-from .fx_util import ancestors, backward_nodes, layer_of, nodes_calling, weight_chain
+from .fx_util import ancestors, backward_nodes, nodes_calling, weight_chain
 
 aten = torch.ops.aten
 
@@ -60,24 +60,23 @@ def checkpoint_activations(graph: fx.Graph, ctx: PassContext) -> None:
     if not backward or not gathers:  # an inference graph, or one without parameters
         return
 
-    layers = ctx.layers
     weights = set().union(*(weight_chain(g) for g in gathers), *(ancestors(g) for g in gathers))
     forward = _forward_nodes(graph, backward)
     members: dict[str, list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if node in forward and node.op == "call_function" and node not in weights and RECOMPUTE not in node.meta:
-            layer = layer_of(node, layers)
+            layer = ctx.layer_of(node)
             if layer is not None:
                 members[layer].append(node)
     selective = ctx.config.activation_checkpointing == "selective"
     made: set[fx.Node] = set()
-    for layer, nodes in members.items():
+    for index, nodes in enumerate(members.values()):
         copied = _copied(nodes, selective)
         if selective:
             for node in nodes:
                 if _target(node) in _KEPT_BY_SELECTIVE:
                     node.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
-        _recompute_in_backward(graph, copied, forward, backward, weights, layers.index(layer), made)
+        _recompute_in_backward(graph, copied, forward, backward, weights, index, made)
 
 
 def _forward_nodes(graph: fx.Graph, backward: set[fx.Node]) -> set[fx.Node]:

@@ -9,9 +9,10 @@ compiled backward graphs).
 
 `COMPILATION` (compile state) remembers what compiling left: the collectives each compiled graph
 issues (the communication ledger), the graph ids, the parameter gathers that every rank agreed
-on (runtime.agreement), the thread that watches Config.cuda_graphs' calls, and the passes' traced
-helper functions (reused by every identical layer), which are kept with the fake mode of the
-compilation they serve and so go with it (and with `torch.compiler.reset()`).
+on (runtime.agreement), which layer ran which of the graphs compiled per layer, the thread that
+watches Config.cuda_graphs' calls, and the passes' traced helper functions (reused by every
+identical layer), which are kept with the fake mode of the compilation they serve and so go with
+it (and with `torch.compiler.reset()`).
 """
 
 from __future__ import annotations
@@ -48,11 +49,16 @@ class CompilationRegistry:
     # passes.fx_util.insert_traced's traces by call, by the fake mode of the compilation they serve.
     traces: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     agreed_schedules: set[tuple[frozenset[int], str]] = field(default_factory=set)  # (sharding ids, digest)
+    # Config.compile_layers_once (zpp_compile.layer_graphs): the layer (sharding id, qualified name)
+    # whose own graph runs or compiles now, and the graph id each layer ran last.
+    running_layer: tuple[int, str] | None = None
+    layer_graphs: dict[tuple[int, str], str] = field(default_factory=dict)
 
     def forget_model(self, sharding_id: int) -> None:
         """Takes a gone model's graphs out of the ledger (a new model that takes its sharding id
         would otherwise count them twice in its report)."""
         self.ledger[:] = [g for g in self.ledger if g.model is None or g.model.sharding_id != sharding_id]
+        self.layer_graphs = {layer: graph for layer, graph in self.layer_graphs.items() if layer[0] != sharding_id}
 
 
 @dataclass

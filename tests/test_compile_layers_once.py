@@ -1,5 +1,6 @@
-"""Config.compile_layers_once: every decoder layer of an HF Llama runs one compiled region, its
-weights gathered outside it, with the unsharded model's gradients and backward's re-gathers."""
+"""Config.compile_layers_once: every decoder layer of an HF Llama runs one compiled graph of its
+own, with the unsharded model's gradients, the same collectives as the whole-step graph, and
+backward's re-gathers."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
-from torch._dynamo.utils import compile_times
 
 import zpp_compile as zpp
-from distributed import device, run_ranks
+from distributed import device, in_turn, run_ranks
 from models import batches
 from test_composability import no_sync_run
 from zpp_compile.backend import zeropp_backend
-from zpp_compile import config as config_module
-from zpp_compile.config import ConfigError
-from zpp_compile.torch_compat import regions_reuse_traces
-from zpp_compile.layer_regions import _flatten_call, _unflatten_call
+from zpp_compile.passes import PASSES, GraphPass
+from zpp_compile.passes.lower_collectives import lower_collectives
+from zpp_compile.dump import read_layer_runs
+from zpp_compile.ledger import CollectiveRecord, CommReport, GraphComm
+from zpp_compile.runtime.topology import Group
 
 LAYERS = 3
 PER_RANK = 2
@@ -46,11 +47,20 @@ def sharded_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def region_traces() -> int:
-    """How many times Dynamo has traced the body of a nested compile region in this process."""
-    names, values = compile_times(repr="csv")
-    times = dict(zip(names, values)).get("invoke_subgraph_trace")
-    return len(times.split(",")) if times else 0
+def counting_backend(graphs: list, options: dict, lowered: list | None = None) -> Callable:
+    """zeropp's backend, keeping each graph Dynamo hands it and whether it is a layer's own, and in
+    `lowered` each partitioned graph as lowering gets it, with its PassContext."""
+    def keeping(graph, ctx):
+        lowered.append((graph, ctx))
+        lower_collectives(graph, ctx)
+
+    passes = [GraphPass(p.name, p.stage, keeping) if p.name == "lower_collectives" and lowered is not None else p
+              for p in PASSES]
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, zpp.COMPILATION.running_layer is not None))
+        return zeropp_backend(gm, example_inputs, options, passes=passes)
+    return backend
 
 
 def compile_once_run(rank: int, world_size: int) -> None:
@@ -61,34 +71,33 @@ def compile_once_run(rank: int, world_size: int) -> None:
     reference(input_ids=tokens, labels=tokens).loss.backward()
     expected = {name: p.grad for name, p in reference.named_parameters()}
 
-    model = zpp.shard(llama(transformers), zpp.Config(compile_layers_once=True))
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return zeropp_backend(gm, example_inputs, {"inductor": False})
-
-    step = torch.compile(model, backend=backend)
-    traced_before = region_traces()
-    step(input_ids=mine, labels=mine).loss.backward()
-    # Dynamo traced the first layer's gathers and compute, one region each, and reused both
-    # traces for the other layers.
-    assert region_traces() - traced_before == 2
-    for name, grad in sharded_grads(model).items():
+    grads = {}
+    for once in (False, True):
+        model = zpp.shard(llama(transformers), zpp.Config(compile_layers_once=once))
+        graphs: list = []
+        zpp.reset_comm_report()
+        torch.compile(model, backend=counting_backend(graphs, {"inductor": False}))(
+            input_ids=mine, labels=mine).loss.backward()
+        grads[once] = sharded_grads(model)
+        if once:
+            # Dynamo compiled the first layer's forward, a graph of its own, and ran it for the others.
+            assert [len(gm.graph.find_nodes(op="call_function", target=torch.ops.zpp.all_gather_param))
+                    for gm, one_layer in graphs if one_layer] == [len(list(model.model.layers[0].parameters()))]
+            sharding_id = zpp.REGISTRY.sharding_id(model)
+            ran = {name: graph for (owner, name), graph in zpp.COMPILATION.layer_graphs.items() if owner == sharding_id}
+            assert sorted(ran) == [f"model.layers.{i}" for i in range(LAYERS)] and len(set(ran.values())) == 1
+            # Reshard after forward: backward gathers every layer's weights again. Forward gathers
+            # the embedding, each layer (one bucket each), the final norm and the head (each in a
+            # graph of its own: the step's graph breaks at the layers); backward all but the
+            # embedding, whose gradient needs no weight.
+            gathers = Counter(row.phase for row in zpp.comm_report().rows)
+            assert (gathers["forward weight gather"], gathers["backward weight gather"]) == (LAYERS + 3, LAYERS + 2)
+    # The same ops in the same order: the same gradients, to the bit.
+    for name, grad in grads[True].items():
+        assert torch.equal(grad, grads[False][name]), name
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
-    # One subgraph, called by every layer.
-    (graph,) = graphs
-    regions = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
-    assert len(regions) == LAYERS and len({n.args[0].target for n in regions}) == 1
-
-    # Reshard after forward: backward gathers every layer's weights again. Forward gathers the
-    # embedding, each layer (one bucket each) and the final norm with the head; backward all but
-    # the embedding, whose gradient needs no weight.
-    gathers = Counter(row.phase for row in zpp.comm_report().rows)
-    assert (gathers["forward weight gather"], gathers["backward weight gather"]) == (LAYERS + 2, LAYERS + 1)
-
-    # Run eagerly, the layers compute with the weights gathered before them just the same.
+    # Run eagerly, the layers compute just the same.
     model.zero_grad()
     model(input_ids=mine, labels=mine).loss.backward()
     for name, grad in sharded_grads(model).items():
@@ -108,8 +117,12 @@ class NumberedLayer(nn.Module):
         return x + self.fc(x) / (self.number + 1)
 
 
-def stack_matches_unsharded_run(rank: int, world_size: int, layers: Callable[[], list[nn.Module]], seed: int) -> None:
-    """A stack of `layers()` compiled once per layer gives the unsharded stack's gradients."""
+def stack_matches_unsharded_run(rank: int, world_size: int, layers: Callable[[], list[nn.Module]], seed: int,
+                                config: zpp.Config = zpp.Config(compile_layers_once=True),
+                                lowered: list | None = None, inductor: bool = False) -> tuple[list, nn.Module]:
+    """A stack of `layers()` compiled once per distinct layer gives the unsharded stack's
+    gradients; returns the graphs Dynamo handed the backend, each with whether it is a layer's own
+    (and keeps the partitioned graphs in `lowered`), and the sharded stack."""
     def build() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(*layers()).to(device())
@@ -117,23 +130,32 @@ def stack_matches_unsharded_run(rank: int, world_size: int, layers: Callable[[],
     x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(seed)).to(device())
     reference = build()
     reference(x).pow(2).mean().backward()
-    model = zpp.shard(build(), zpp.Config(compile_layers_once=True))
+    model = zpp.shard(build(), config)
     mine = x[rank * 2:(rank + 1) * 2]
-    torch.compile(model, backend="zeropp", options={"inductor": False})(mine).pow(2).mean().backward()
+    graphs: list = []
+    step = torch.compile(model, backend=counting_backend(graphs, {"inductor": inductor}, lowered))
+    step(mine).pow(2).mean().backward()
     for name, grad in sharded_grads(model).items():
         torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
+    return graphs, model
 
 
 def numbered_layers_run(rank: int, world_size: int) -> None:
-    """More layers of distinct traces than torch's default cap on a region's traces (8)."""
-    stack_matches_unsharded_run(rank, world_size, lambda: [NumberedLayer(8, number) for number in range(12)], seed=1)
+    """More layers of distinct graphs than torch's default cap on a frame's compilations (8): each
+    still runs a compiled graph, none falls back to running eagerly."""
+    layers = lambda: [NumberedLayer(8, n) for n in range(12)]  # noqa: E731
+    graphs, model = stack_matches_unsharded_run(rank, world_size, layers, seed=1)
+    assert sum(one_layer for _, one_layer in graphs) == 12
+    sharding_id = zpp.REGISTRY.sharding_id(model)
+    assert len({graph for (owner, _), graph in zpp.COMPILATION.layer_graphs.items() if owner == sharding_id}) == 12
 
 
 def same_collectives_run(rank: int, world_size: int) -> None:
-    """All three techniques, 2 ranks as 2 nodes: the step runs the same collectives with and
-    without regions (each layer's gathers keep to that layer's bucket) and reports the same hpZ
-    copy (the regions' bodies, which hold no collectives, are left out of the ledger)."""
+    """All three techniques, 2 ranks as 2 nodes: the step moves the same bytes over each link in
+    each phase with and without layers compiled on their own, and reports the same hpZ copy: a
+    layer's graph counts once per layer that ran it. (The final norm and the head are a bucket
+    of the step's graph, and two graphs of their own when the step's graph breaks at the layers.)"""
     transformers = pytest.importorskip("transformers")
     tokens = batches(1, world_size, PER_RANK, vocab=VOCAB)[0][0].to(device())
     mine = tokens[rank * PER_RANK:(rank + 1) * PER_RANK]
@@ -145,14 +167,13 @@ def same_collectives_run(rank: int, world_size: int) -> None:
         zpp.reset_comm_report()
         torch.compile(model, backend="zeropp", options={"inductor": False})(input_ids=mine, labels=mine).loss.backward()
         report = zpp.comm_report()
-        rows = sorted((row.phase, row.op, row.dtype, row.intra_bytes, row.inter_bytes) for row in report.rows)
-        reports.append((rows, report.secondary_bytes))
+        reports.append((report.by_phase(), report.secondary_bytes))
     assert reports[0][1] > 0
     assert reports[1] == reports[0]
 
 
 class CheckpointingLayer(nn.Module):
-    """A layer that checkpoints part of its own forward: its region's body holds a region of its own."""
+    """A layer that checkpoints part of its own forward with torch.utils.checkpoint."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -163,55 +184,77 @@ class CheckpointingLayer(nn.Module):
         return x + self.fc2(hidden)
 
 
+class MlpLayer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)) * torch.sigmoid(x).repeat(1, 2))
+
+
+def saved_by_layer_forward(lowered: list) -> list[str]:
+    """What the forwards of the layers' graphs compute and save for backward: their outputs that
+    are not their inputs, less the layer's own output (the first). The first layer has a graph of
+    its own, since its input needs no gradient."""
+    forwards = [graph for graph, ctx in lowered if ctx.one_layer and ctx.kind == "forward"]
+    assert len(forwards) == 2
+    outputs = [value for forward in forwards for value in forward.find_nodes(op="output")[0].args[0][1:]]
+    return [str(value) for value in outputs if getattr(value, "op", None) != "placeholder"]
+
+
 def checkpointing_layers_run(rank: int, world_size: int) -> None:
+    """torch.utils.checkpoint inside a layer, and Config.activation_checkpointing over the
+    layers: the unsharded model's gradients; with "full", the forward of a layer's graph saves
+    nothing it computed (backward recomputes it from the layer's input)."""
     stack_matches_unsharded_run(rank, world_size, lambda: [CheckpointingLayer(8) for _ in range(3)], seed=2)
+    saved = {}
+    for checkpointing in ("none", "selective", "full"):
+        config = zpp.Config(compile_layers_once=True, activation_checkpointing=checkpointing)
+        lowered: list = []
+        stack_matches_unsharded_run(rank, world_size, lambda: [MlpLayer(8) for _ in range(3)], 3, config, lowered)
+        saved[checkpointing] = saved_by_layer_forward(lowered)
+    assert saved["full"] == [] and len(saved["none"]) > len(saved["selective"]) > 0, saved
 
 
-def compile_once_runs(rank: int, world_size: int) -> None:
-    compile_once_run(rank, world_size)
-    numbered_layers_run(rank, world_size)
-    checkpointing_layers_run(rank, world_size)
-    same_collectives_run(rank, world_size)
-    # Gradient accumulation without sync: the gathers in the layers' regions keep or add the
-    # gradients, as inline ones do.
+def inductor_run(rank: int, world_size: int) -> None:
+    """Under Inductor, the layers' graphs give the unsharded stack's gradients to fp32 rounding."""
+    graphs, _ = stack_matches_unsharded_run(rank, world_size, lambda: [MlpLayer(8) for _ in range(3)], seed=4,
+                                            inductor=True)
+    assert sum(one_layer for _, one_layer in graphs) == 2  # the first layer's and the others'
+
+
+def no_sync_layers_run(rank: int, world_size: int) -> None:
+    """Gradient accumulation without sync: the gathers in the layers' graphs keep or add the
+    gradients, as the step's do."""
     zpp.reset_comm_report()  # no_sync_run reads the graphs of its own model
     no_sync_run(rank, world_size, compiled=True, config=zpp.Config(compile_layers_once=True))
 
 
-needs_region_reuse = pytest.mark.skipif(not regions_reuse_traces(), reason="this torch's regions trace every call")
-
-
 @pytest.mark.distributed
-@needs_region_reuse
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
-    run_ranks(compile_once_runs, 2)
+    run_ranks(in_turn, 2, {"hf llama": (compile_once_run,), "numbered layers": (numbered_layers_run,),
+                           "checkpointing": (checkpointing_layers_run,), "all three": (same_collectives_run,),
+                           "inductor": (inductor_run,),
+                           "no sync": (no_sync_layers_run,)})
 
 
-def test_a_torch_whose_regions_trace_every_call_is_refused(monkeypatch):
-    monkeypatch.setattr(config_module, "regions_reuse_traces", lambda: False)
-    with pytest.raises(ConfigError, match="compile_layers_once=True needs a torch whose .* traces a region once"):
-        zpp.Config(compile_layers_once=True)
-    zpp.Config(compile_layers_once=False)
-
-
-@needs_region_reuse
-def test_activation_checkpointing_is_refused_with_layers_compiled_once():
-    # Checkpointing would silently keep every activation: the layers are partitioned in their regions.
-    with pytest.raises(ConfigError, match="compile_layers_once=True does not combine with activation_checkpointing"):
-        zpp.Config(compile_layers_once=True, activation_checkpointing="full")
-    with pytest.raises(ConfigError, match="activation_checkpointing='selective'"):
-        zpp.Config(compile_layers_once=True).updated({"activation_checkpointing": "selective"})
-
-
-def test_layer_arguments_come_back_from_the_flat_region_call():
-    a, b, c = torch.ones(2), torch.zeros(3), torch.arange(4)
-    calls = [
-        ((), {}),
-        ((a,), {"mask": None, "rope": (b, c), "cache": None, "use_cache": False}),
-        ((a, (b, c), ()), {"nested": (a, (b,)), "listed": [c], "mapped": {"k": a}, "n": 3}),
-    ]
-    for args, kwargs in calls:
-        layout, values = _flatten_call(args, kwargs)
-        assert _unflatten_call(len(args), layout, tuple(values)) == (args, kwargs)
-    # Tuples are opened in place, so Dynamo sees only tensors and constants.
-    assert _flatten_call(*calls[1]) == ("0,mask,rope*2,cache,use_cache", [a, None, b, c, None, False])
+def test_a_layers_graph_counts_once_per_layer_that_ran_it_last():
+    gather = CollectiveRecord("all_gather", Group("0", (0, 1)), torch.bfloat16, 10, 0, False)
+    reduce = CollectiveRecord("reduce_scatter", Group("0", (0, 1)), torch.float32, 20, 0, True)
+    graphs = [GraphComm("g0.forward", "forward", (gather,), 3), GraphComm("g0.backward", "backward", (reduce,)),
+              GraphComm("g1.forward", "forward", (gather,), 7, one_layer=True),
+              GraphComm("g1.backward", "backward", (gather, reduce), one_layer=True),
+              # A layer's graph no layer runs any more (recompiled, say): not part of the step.
+              GraphComm("g2.forward", "forward", (gather,), one_layer=True),
+              GraphComm("g2.backward", "backward", (reduce,), one_layer=True)]
+    report = CommReport.from_graphs(graphs, {"g1": 4, "g2": 0})
+    assert Counter(row.graph for row in report.rows) == {"g0.forward": 1, "g0.backward": 1, "g1.forward": 4,
+                                                          "g1.backward": 8}
+    assert report.secondary_bytes == 3 + 4 * 7
+    # Read back from a dump, a layer's graph keeps what it is.
+    assert [GraphComm.from_dict(g.to_dict()) for g in graphs] == graphs
+    with pytest.raises(ValueError, match="'one_layer' must be true or false"):
+        GraphComm.from_dict({**graphs[2].to_dict(), "one_layer": 1})
+    with pytest.raises(ValueError, match="graph ids with layer counts"):
+        read_layer_runs({"g1": -1})

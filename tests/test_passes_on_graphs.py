@@ -15,7 +15,6 @@ dtypes, and the recompute tags the partitioner obeys.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,13 +39,12 @@ from zpp_compile.passes.hierarchical_partition import hierarchical_partition
 from zpp_compile.passes.lower_collectives import lower_collectives
 from zpp_compile.passes.quantize_gradients import quantize_gradients
 from zpp_compile.passes.quantize_weights import quantize_weights
-from zpp_compile.passes.region_weights import region_weights
 from zpp_compile.passes.reshard_after_forward import reshard_after_forward
 from zpp_compile.runtime.grad_quant_format import piece_bytes
 from zpp_compile.runtime.ops import (dequantize_weight_args, gather_flat_args, gather_param_args,
                                      quantize_weight_args, reduce_grad_args)
 from zpp_compile.runtime.topology import Group, Topology
-from zpp_compile.torch_compat import C10D_FUNCTIONAL, INVOKE_SUBGRAPH, RECOMPUTE
+from zpp_compile.torch_compat import C10D_FUNCTIONAL, RECOMPUTE
 
 aten, zpp_ops, c10d = torch.ops.aten, torch.ops.zpp, C10D_FUNCTIONAL
 GATHER, REDUCE = zpp_ops.all_gather_param.default, zpp_ops.reduce_grad.default
@@ -115,22 +113,6 @@ class ReadTwice(nn.Module):
         return self.fc(torch.relu(self.fc(x))).sum()
 
 
-@torch.compiler.nested_compile_region
-def region_compute(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.relu(x @ weight.view(8, 8).t())
-
-
-class RegionLayer(nn.Module):
-    """A layer compiled once (Config.compile_layers_once): gathered outside its compile region."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return region_compute(x, gathered(self.fc.shard)).sum()
-
-
 # ------------------------------------------------------------------------------ graphs and contexts
 
 
@@ -157,15 +139,11 @@ class _Captured(Exception):
     pass
 
 
-def capture_joint(model: nn.Module, *inputs: torch.Tensor,
-                  outer: Callable[[fx.GraphModule], Any] = lambda joint: True) -> Joint:
-    """The joint graph of `model(*inputs)` (the first for which `outer` holds; the others, such as
-    a compile region's own, are partitioned as usual), without compiling or running anything."""
+def capture_joint(model: nn.Module, *inputs: torch.Tensor) -> Joint:
+    """The joint graph of `model(*inputs)`, without compiling or running anything."""
     captured = []
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        if not outer(joint):
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         captured.append(Joint(joint, joint_inputs, kwargs))
         raise _Captured
 
@@ -229,38 +207,6 @@ def test_every_pass_has_a_graph_level_test_here_or_in_test_schedule():
 
 
 # ------------------------------------------------------------------------------------ joint passes
-
-
-def test_region_weights__backward_region_reads_the_outer_gather_not_what_forward_saved():
-    # The region's forward returns the transposed weight for its backward; after the pass the
-    # outer graph computes it again from the gathered weight, by the region's own ops.
-    is_outer = lambda joint: joint.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)  # noqa: E731
-    # Dynamo (torch >= 2.13) inlines a region called once; a model's layers call theirs many times.
-    keep_region = {"inline_single_use_invoke_subgraph": False}
-    with torch._dynamo.config.patch(**{k: v for k, v in keep_region.items() if hasattr(torch._dynamo.config, k)}):
-        joint = capture_joint(RegionLayer(), torch.randn(3, 8, requires_grad=True), outer=is_outer)
-    forward_call, backward_call = calls(joint.graph, INVOKE_SUBGRAPH)
-    (gather,) = calls(joint.graph, GATHER)
-    args_before = backward_call.args[2:]
-    assert all(a.args[0] is forward_call for a in args_before if a.target is operator.getitem)
-
-    region_weights(joint.graph, context(layers=()))
-
-    args = backward_call.args[2:]
-    from_forward = [a for a in args if a.target is operator.getitem]
-    # Exactly one saved value was a weight: it is now computed outside the region from the gather,
-    # by the region's ops (view, transpose, transpose back), not by the forward call.
-    (recomputed,) = [new for old, new in zip(args_before, args) if new is not old]
-    assert len(from_forward) == len([a for a in args_before if a.target is operator.getitem]) - 1
-    chain = ancestors(recomputed)
-    assert gather in chain and forward_call not in chain
-    assert [n.target for n in joint.graph.nodes if n in chain and n.op == "call_function"] == [
-        GATHER, aten.view.default, aten.t.default, aten.t.default]
-    # The activations (the region's input, its relu) still come from the forward call, and the
-    # forward call's output that held the weight is no longer read.
-    assert all(a.args[0] is forward_call for a in from_forward)
-    assert len(forward_call.users) == len(from_forward) + 1  # + its result, the loss's input
-    joint.graph.lint()
 
 
 def test_gather_once__one_gather_and_one_reduction_for_a_weight_read_twice():

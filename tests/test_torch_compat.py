@@ -173,18 +173,44 @@ def test_inductor_reads_the_stride_mark():
     assert f'"{tc.REALIZE_TO_STRIDES}"' in inspect.getsource(inductor_graph)
 
 
-def test_nested_compile_region_calls_are_invoke_subgraph():
-    if not tc.regions_reuse_traces():
-        pytest.skip("this torch's nested compile regions trace every call")
-    assert "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+def test_a_function_torch_compile_skips_compiles_what_it_calls_as_frames_of_their_own():
+    # What layer_graphs builds on: the caller's graph breaks at the skipped function, and the
+    # frame it calls is compiled once, its code's graph reused for a second call.
+    graphs = []
 
-    @torch.compiler.nested_compile_region
-    def region(x):
-        return x.sin() + 1
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
-    graph = dynamo_graph(lambda x: region(region(x)), torch.randn(3))
-    calls = graph.graph.find_nodes(op="call_function", target=tc.INVOKE_SUBGRAPH)
-    assert len(calls) == 2 and calls[0].args[0].target == calls[1].args[0].target  # one body, reused
+    def layer(x, w):
+        return torch.relu(x @ w)
+
+    skipped = torch.compiler.disable(lambda x, w: layer(x, w), recursive=False)
+    step = torch.compile(lambda x, w1, w2: skipped(skipped(x.sin(), w1), w2).sum(), backend=backend)
+    x, w1, w2 = torch.randn(2, 3), torch.randn(3, 3), torch.randn(3, 3)
+    torch.testing.assert_close(step(x, w1, w2), torch.relu(torch.relu(x.sin() @ w1) @ w2).sum())
+    relus = [gm for gm in graphs if any(n.target is torch.relu for n in gm.graph.nodes)]
+    assert len(relus) == 1 and len(graphs) == 3  # before, the layer's, after
+
+
+def test_a_frames_compile_cap_is_raised_within_the_context():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=backend, dynamic=False)
+    def scaled(x, factor):
+        return x * factor
+
+    torch._dynamo.reset()
+    x = torch.randn(2)
+    with tc.frame_recompile_limit(16):
+        for factor in range(12):  # a graph per constant, more than torch's default cap of 8
+            torch.testing.assert_close(scaled(x, factor), x * factor)
+    assert len(graphs) == 12
+    torch._dynamo.reset()
 
 
 def test_functional_collectives_zeropp_issues_exist():
@@ -210,15 +236,6 @@ def test_autograd_backward_is_detected_only_inside_backward():
     assert not tc.in_autograd_backward()
     y.sum().backward()
     assert inside == [True]
-
-
-def test_reparametrize_module_swaps_and_restores_parameters():
-    block = Block()
-    weight = block.linear.weight
-    stand_in = torch.zeros_like(weight)
-    with tc.reparametrize_module(block.linear, {"weight": stand_in}):
-        assert block.linear.weight is stand_in
-    assert block.linear.weight is weight
 
 
 def test_to_empty_hands_apply_the_conversion_zeropp_recognizes():

@@ -14,6 +14,7 @@ from .runtime.registry import COMPILATION, REGISTRY
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .grad_sync import no_sync, set_requires_gradient_sync
 from .initialization import load_full_state_dict
+from .layer_graphs import layer_runs
 from .sharding import full_state_dict, shard
 
 
@@ -41,7 +42,7 @@ def comm_report(model: nn.Module | None = None) -> CommReport:
             raise ValueError(f"comm_report(model): {type(model).__name__} was not sharded by zpp_compile.shard")
         sharding_id = REGISTRY.sharding_id(model)
         graphs = [g for g in graphs if g.model is not None and g.model.sharding_id == sharding_id]
-    return CommReport.from_graphs(graphs)
+    return CommReport.from_graphs(graphs, layer_runs())
 
 
 def reset_comm_report() -> None:

@@ -12,7 +12,6 @@ rewritten graphs execute without Inductor.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -23,6 +22,7 @@ from functorch.compile import make_boxed_func, min_cut_rematerialization_partiti
 from .compile_cache import PassCache, to_local_as_method
 from .config import Config, ConfigError
 from .initialization import check_initialized
+from .layer_graphs import record_layer_run
 from .local_shards import local_shard_inputs, reading_local_shards
 from .pass_manager import PassManager
 from .passes import PASSES, GraphPass
@@ -32,8 +32,7 @@ from .runtime.cuda_graphs import graphed_inner_compile
 from .runtime.ops import gather_param_args
 from .runtime.registry import COMPILATION, REGISTRY, ShardingState
 from .torch_compat import (
-    INVOKE_SUBGRAPH, NN_MODULE_STACK, CustomGraphPass, aot_autograd, compile_fx, compile_fx_inner, dynamo_frame_id,
-    inductor_mode_options,
+    CustomGraphPass, aot_autograd, compile_fx, compile_fx_inner, dynamo_frame_id, inductor_mode_options,
 )
 
 
@@ -50,7 +49,6 @@ def zeropp_backend(
     to wrap one to inspect its graph):
     `torch.compile(model, backend=functools.partial(zeropp_backend, passes=[...]), options={...})`.
     """
-    _inline_gathers(gm)
     state = _sharding_state(gm, example_inputs)
     if mode is not None:
         options = _mode_options(mode, state.config if state is not None else Config())
@@ -60,13 +58,29 @@ def zeropp_backend(
     config = state.config.for_compilation(options, state.topology.ranks_per_node) if options else state.config
     buckets_within_layers = config.bucket_size == "layer"
     config = config.with_layer_size(state.layer_nbytes)
-    manager = PassManager(config, state.topology, f"g{next(COMPILATION.graph_ids)}", state.layers, dynamo_frame_id(),
-                          passes, buckets_within_layers)
+    # A layer's own graph (Config.compile_layers_once) is compiled while that layer runs.
+    one_layer = COMPILATION.running_layer is not None
+    manager = PassManager(config, state.topology, f"g{next(COMPILATION.graph_ids)}", state.layers,
+                          _frame(example_inputs), passes, buckets_within_layers, one_layer)
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     to_local_as_method(gm)
     example_inputs, shard_positions = local_shard_inputs(gm, example_inputs)
     compiled = reading_local_shards(_compile(gm, example_inputs, config, state, manager), shard_positions)
+    if one_layer:
+        compiled = record_layer_run(compiled, manager.graph_id, manager.dump)
     return _checking_initialized(compiled, state)
+
+
+def _frame(example_inputs: Sequence[Any]) -> int | None:
+    """What identifies the graph's frame in the ledger (`GraphComm.frame`): the Python frame Dynamo
+    compiles and the parameters it reads. Frames of one code are compiled for many modules (each
+    module Dynamo compiles on its own is a call of nn.Module's), and only a recompilation for the
+    same parameters replaces a graph."""
+    frame = dynamo_frame_id()
+    if frame is None:
+        return None
+    params = sorted(id(x) for x in example_inputs if isinstance(x, torch.Tensor) and x in REGISTRY.params)
+    return hash((frame, *params)) & (2**63 - 1)
 
 
 def _checking_initialized(compiled: Callable[..., Any], state: ShardingState) -> Callable[..., Any]:
@@ -196,59 +210,3 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], manager: PassM
         return make_boxed_func(graph_module)
 
     return aot_autograd(fw_compiler=lower, bw_compiler=lower, partition_fn=partition)(gm, example_inputs)
-
-
-def _inline_gathers(gm: fx.GraphModule) -> None:
-    """Puts the gathers of layers compiled once (`Config.compile_layers_once`) back into the step's
-    graph: Dynamo traced them once, in a compile region reused for identical layers, but the
-    passes act on each gather in the step's graph."""
-    calls = [
-        node for node in gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)
-        if getattr(gm, node.args[0].target).graph.find_nodes(op="call_function", target=torch.ops.zpp.all_gather_param)
-    ]
-    bodies = {call.args[0].target for call in calls}
-    for call in calls:
-        _inline_call(gm, call)
-    if calls:
-        gm.graph.eliminate_dead_code()
-        # Only the inlined bodies go: the other regions' bodies hold submodules of their own (e.g.
-        # a checkpointed function's), which the step's graph does not name.
-        for body in bodies:
-            if not gm.graph.find_nodes(op="get_attr", target=body):
-                delattr(gm, body)
-        gm.recompile()
-
-
-def _inline_call(gm: fx.GraphModule, call: fx.Node) -> None:
-    """Puts a copy of the nodes of `layer_regions._gather_layer`'s traced body into the step's graph in
-    place of the `invoke_subgraph` call that ran it: the copies read that call's arguments, and
-    each `getitem` of its result reads the copied output instead."""
-    body = getattr(gm, call.args[0].target)
-    copies = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[2:]))
-    with gm.graph.inserting_before(call):
-        for attr in body.graph.find_nodes(op="get_attr"):  # e.g. the bodies of autograd functions
-            name = _unused_attribute(gm, f"{call.args[0].target}_{attr.target}")
-            setattr(gm, name, getattr(body, attr.target))
-            copies[attr] = gm.graph.get_attr(name)
-        outputs = gm.graph.graph_copy(body.graph, copies)
-    # The body was traced for one layer and serves all: each copy belongs to the calling layer.
-    stack = call.meta.get(NN_MODULE_STACK)
-    for node in body.graph.nodes:
-        copy = copies.get(node)
-        if stack is not None and isinstance(copy, fx.Node) and node.op == "call_function":
-            copy.meta[NN_MODULE_STACK] = stack
-    for user in list(call.users):
-        if user.op == "call_function" and user.target is operator.getitem:
-            user.replace_all_uses_with(outputs[user.args[1]])
-            gm.graph.erase_node(user)
-    if call.users:
-        raise AssertionError(f"a gather region's call is read other than by index: {list(call.users)}")
-    gm.graph.erase_node(call)
-
-
-def _unused_attribute(gm: fx.GraphModule, base: str) -> str:
-    name, n = base, 0
-    while hasattr(gm, name):
-        n += 1
-        name = f"{base}_{n}"
-    return name

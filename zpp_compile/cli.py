@@ -29,7 +29,7 @@ import torch
 
 from . import text_table
 from .config import DISABLE_PASSES_ENV, DUMP_DIR_ENV, Config, ConfigError
-from .dump import read_pass_summary
+from .dump import LAYER_RUNS, read_layer_runs, read_pass_summary
 from .explain import predict
 from .passes import PASSES
 from .ledger import CommReport, GraphComm
@@ -141,7 +141,8 @@ def _report(args: argparse.Namespace) -> int:
     folder = _rank_folder(Path(args.dir), args.rank)
     graphs = _read_dump(sorted(folder.glob("*.comm.json"), key=_compile_order), GraphComm.from_dict)
     summaries = _read_dump(sorted(folder.glob("*.summary.json"), key=_compile_order), read_pass_summary)
-    report = CommReport.from_graphs(graphs)
+    runs = _read_dump([path for path in [folder / LAYER_RUNS] if path.is_file()], read_layer_runs)
+    report = CommReport.from_graphs(graphs, runs[0] if runs else None)
     if args.format == "json":
         print(json.dumps({**report.to_dict(), "rank": args.rank, "graphs": [g.graph_name for g in graphs],
                           "passes": summaries}, indent=1))

@@ -176,7 +176,7 @@ class PassCache:
         for entry in self.stored():
             if entry["kind"] not in produced:
                 comm = GraphComm.from_dict({**entry, "graph": f"{manager.graph_id}.{entry['kind']}",
-                                            "frame": manager.frame})
+                                            "frame": manager.frame, "one_layer": manager.one_layer})
                 manager.record(comm, restored=True)
 
 

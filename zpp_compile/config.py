@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .torch_compat import inductor_config, regions_reuse_traces
+from .torch_compat import inductor_config
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
@@ -121,9 +121,9 @@ class Config:
     prefetch: int = 1
     # Compilation and debugging.
     inductor: bool = True
-    # Compile each layer's compute once and reuse it for identical layers
-    # (torch.compiler.nested_compile_region), its parameters gathered outside it, so compile time
-    # stops growing with depth while bucketing and the schedule still see every gather.
+    # Compile each layer as a graph of its own, once for every identical layer (`layer_graphs`), so
+    # compile time stays flat in depth, as with FSDP2's compile per block. A layer's gathers and
+    # reductions are then in its own graph, where nothing of the neighbouring layers hides them.
     compile_layers_once: bool = False
     # Inductor settings for zeropp's graphs, as torch._inductor.config names (e.g.
     # {"max_autotune": True}); applied on top of the ones the backend sets. Kept as sorted pairs.
@@ -175,19 +175,6 @@ class Config:
             )
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise ConfigError(f"Config.prefetch={self.prefetch!r} must be an integer >= 0")
-        if self.compile_layers_once and self.activation_checkpointing != "none":
-            raise ConfigError(
-                f"Config.compile_layers_once=True does not combine with activation_checkpointing="
-                f"{self.activation_checkpointing!r}: each layer's compute is partitioned inside its compile region, "
-                "which the checkpointing pass does not reach, so activations would be kept; drop one of the two"
-            )
-        if self.compile_layers_once and not regions_reuse_traces():
-            raise ConfigError(
-                f"Config.compile_layers_once=True needs a torch whose torch.compiler.nested_compile_region traces a "
-                f"region once and reuses that trace for identical layers (torch 2.12 or later); torch "
-                f"{torch.__version__} traces every call, which makes compilation slower, not faster; upgrade torch "
-                "or drop compile_layers_once"
-            )
         if self.cuda_graphs and not self.inductor:
             raise ConfigError("Config.cuda_graphs=True needs Inductor; drop inductor=False or cuda_graphs=True")
         timeout = self.collective_timeout_s

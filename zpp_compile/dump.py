@@ -9,6 +9,7 @@ Per compiled graph, after its last pass (`{graph}.*`):
 - `comm.json`: its collectives with bytes per link class, the hpZ copy bytes, and the sharded
   model's size and topology, so that `zeropp report` can compute everything from files alone;
 - `schedule.txt`: the order of compute and communication (Inductor may reorder it further).
+With Config.compile_layers_once, `layer_runs.json` says how many layers ran each layer's own graph.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from .ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, 
 from .runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
 from .runtime.topology import Topology, bytes_per_peer
 from .torch_compat import C10D_FUNCTIONAL, OpOverload
+
+LAYER_RUNS = "layer_runs.json"
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,10 @@ class GraphDump:
         (self.folder / f"{comm.graph_name}.lowered.py").write_text(_code(graph))
         (self.folder / f"{comm.graph_name}.comm.json").write_text(json.dumps(comm.to_dict(), indent=1))
         (self.folder / f"{comm.graph_name}.schedule.txt").write_text(self._schedule(comm.graph_name, graph))
+
+    def write_layer_runs(self, runs: dict[str, int]) -> None:
+        """How many layers ran each layer's own graph last (Config.compile_layers_once), by graph id."""
+        (self.folder / LAYER_RUNS).write_text(json.dumps(runs, indent=1, sort_keys=True))
 
     def _collectives(self, graph: fx.Graph) -> list[dict[str, Any]]:
         """Collectives grouped by op, ranks and dtype: the functional collectives, and the zpp IR
@@ -173,3 +180,11 @@ def read_pass_summary(values: Any) -> dict[str, Any]:
 
 def _code(graph: fx.Graph) -> str:
     return graph.python_code("self").src
+
+
+def read_layer_runs(values: Any) -> dict[str, int]:
+    """Reads back `layer_runs.json`; a ValueError says what is wrong."""
+    if not isinstance(values, dict) or not all(
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in values.items()):
+        raise ValueError(f"expected graph ids with layer counts (non-negative integers), got {values!r}")
+    return values

@@ -68,6 +68,10 @@ def counting_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             scope.depth -= 1
 
+    # Dynamo keeps compiled code, and caps how often it compiles it, per code object: a module
+    # that torch.compile meets as a frame of its own (called from code it does not trace, as
+    # between layers compiled on their own) gets a cap of its own, not one shared by every class.
+    counted.__code__ = counted.__code__.replace(co_name=f"counted_{forward.__qualname__.replace('.', '_')}")
     return counted
 
 

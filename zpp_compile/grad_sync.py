@@ -57,9 +57,7 @@ class GradAccumulator:
 
 def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
     """`module.<name>` inside forward (`forward_scope`): gathered, with its gradient reduced, kept,
-    or added to the kept one; inside a layer compiled once (`Config.compile_layers_once`), whose
-    parameters then hold the weights its caller gathered in place of the shards, that weight as it
-    is. Outside forward: the sharded parameter itself."""
+    or added to the kept one. Outside forward: the sharded parameter itself."""
     shard = module._parameters[name]
     if not isinstance(shard, DTensor) or not module._zpp.scope.gathers():
         return shard

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -85,14 +85,17 @@ class GraphComm:
     collectives: tuple[CollectiveRecord, ...]
     secondary_bytes: int = 0  # hpZ copies this (forward) graph keeps for backward
     model: ShardedModel | None = None  # the sharded model whose parameters it gathers
-    # The Python frame Dynamo compiled it for: a later compilation of the same frame (a recompile,
-    # for a new input shape or a changed flag) replaces it in one step's report.
+    # The Python frame Dynamo compiled it for, with the parameters it reads (backend._frame): a
+    # later compilation of the same frame (a recompile, for a new input shape or a changed flag)
+    # replaces it in one step's report.
     frame: int | None = None
+    # A layer's own graph (Config.compile_layers_once), run once per layer that calls it.
+    one_layer: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, for a dump; `from_dict` reads it back."""
         return {"graph": self.graph_name, "kind": self.kind, "secondary_bytes": self.secondary_bytes,
-                "model": vars(self.model) if self.model else None, "frame": self.frame,
+                "model": vars(self.model) if self.model else None, "frame": self.frame, "one_layer": self.one_layer,
                 "collectives": [c.to_dict() for c in self.collectives]}
 
     @classmethod
@@ -108,8 +111,11 @@ class GraphComm:
         frame = values.get("frame") if isinstance(values, dict) else None
         if frame is not None and (type(frame) is not int or frame < 0):
             raise ValueError(f"'frame' must be a non-negative integer or null, got {frame!r}")
+        one_layer = values.get("one_layer", False) if isinstance(values, dict) else False
+        if type(one_layer) is not bool:
+            raise ValueError(f"'one_layer' must be true or false, got {one_layer!r}")
         return cls(field_of(values, "graph", str), field_of(values, "kind", str), records,
-                   field_of(values, "secondary_bytes", int), model, frame)
+                   field_of(values, "secondary_bytes", int), model, frame, one_layer)
 
 
 def field_of(values: Any, key: str, kind: type | tuple[type, ...], minimum: int = 0) -> Any:
@@ -163,20 +169,22 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
     return records
 
 
-def training_graphs(graphs: list[GraphComm]) -> list[GraphComm]:
+def training_graphs(graphs: list[GraphComm], layer_runs: Mapping[str, int] | None = None) -> list[GraphComm]:
     """What one training step runs, of `graphs` in compile order (as the ledger holds them and
     `zeropp report` reads a dump): the forward and backward graphs of every compiled graph that
     has a backward (not the inference-only graphs of, say, evaluation), and of a frame Dynamo
     compiled several times for one model (recompiled for a new input shape or a changed flag), the
-    latest compilation only. Several frames (a step with graph breaks) all count."""
+    latest compilation only. Several frames (a step with graph breaks) all count. A layer's own
+    graph counts while some layer ran it last (`layer_runs`, by graph id: `layer_graphs.layers_running`)."""
+    runs = layer_runs or {}
     trained = {_dynamo_graph(g) for g in graphs if g.kind == "backward"}
     latest: dict[tuple, str] = {}
     for g in graphs:
-        if _dynamo_graph(g) in trained:
+        if _dynamo_graph(g) in trained and not g.one_layer:
             frame = (g.model.sharding_id if g.model else None, g.frame) if g.frame is not None else _dynamo_graph(g)
             latest[frame] = _dynamo_graph(g)
-    kept = set(latest.values())
-    return [g for g in graphs if _dynamo_graph(g) in kept]
+    kept = set(latest.values()) | {_dynamo_graph(g) for g in graphs if g.one_layer and runs.get(_dynamo_graph(g))}
+    return [g for g in graphs if _dynamo_graph(g) in kept and _dynamo_graph(g) in trained]
 
 
 def _dynamo_graph(graph: GraphComm) -> str:
@@ -229,17 +237,19 @@ class CommReport:
     sharded_numel: int  # padded parameter elements of the models in the report (M = 2 x this)
 
     @classmethod
-    def from_graphs(cls, graphs: list[GraphComm]) -> CommReport:
-        """The report of the training graphs among `graphs` (the ledger, or a dump read back)."""
-        chosen = training_graphs(graphs)
+    def from_graphs(cls, graphs: list[GraphComm], layer_runs: Mapping[str, int] | None = None) -> CommReport:
+        """The report of the training graphs among `graphs` (the ledger, or a dump read back); a
+        layer's own graph's collectives once for every layer that ran it (`training_graphs`)."""
+        chosen = training_graphs(graphs, layer_runs)
+        runs = lambda g: layer_runs[_dynamo_graph(g)] if g.one_layer else 1  # noqa: E731
         rows = tuple(
             CommRow(g.graph_name, phase_of(g.kind, c), c.op, c.group.ranks, str(c.dtype).removeprefix("torch."),
                     c.intra_bytes, c.inter_bytes)
-            for g in chosen for c in g.collectives
+            for g in chosen for _ in range(runs(g)) for c in g.collectives
         )
         models = {g.model.sharding_id: g.model for g in chosen if g.model}.values()
         baselines = [m.zero3_bytes() for m in models]
-        return cls(rows, sum(g.secondary_bytes for g in chosen), sum(b[0] for b in baselines),
+        return cls(rows, sum(g.secondary_bytes * runs(g) for g in chosen), sum(b[0] for b in baselines),
                    sum(b[1] for b in baselines), sum(m.padded_numel for m in models))
 
     @property

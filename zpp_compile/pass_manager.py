@@ -51,10 +51,11 @@ class PassManager:
 
     def __init__(self, config: Config, topology: Topology, graph_id: str, layers: tuple[str, ...] = (),
                  frame: int | None = None, passes: Sequence[GraphPass] = PASSES,
-                 buckets_within_layers: bool = True) -> None:
+                 buckets_within_layers: bool = True, one_layer: bool = False) -> None:
         config = config.with_environment()  # ZEROPP_DUMP_DIR, ZEROPP_DISABLE_PASSES
         self.config, self.topology, self.graph_id, self.layers = config, topology, graph_id, layers
         self.buckets_within_layers = buckets_within_layers
+        self.one_layer = one_layer  # one layer's own graph (PassContext.one_layer)
         self.frame = frame  # the Python frame Dynamo compiles (GraphComm.frame)
         self.passes = enabled_passes(config, passes)
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
@@ -69,8 +70,7 @@ class PassManager:
 
         A graph compiled without a joint stage (inference, under no_grad) gets the joint passes
         first, so bucketing and the other joint rewrites apply to it as well. A graph without
-        zeropp's ops, the body of a layer compiled once (`Config.compile_layers_once`), is left as
-        it is: the step's graph holds that layer's collectives.
+        zeropp's ops is left as it is.
         """
         if not any(node.op == "call_function" and _is_zeropp_op(node.target) for node in graph.nodes):
             return
@@ -79,7 +79,7 @@ class PassManager:
         self.joint_done = self.joint_done or stage == "joint"
         kind = "joint" if stage == "joint" else ("backward" if is_backward(graph) else "forward")
         ctx = PassContext(self.config, self.topology, f"{self.graph_id}.{kind}", kind, self.layers,
-                          self.buckets_within_layers)
+                          self.buckets_within_layers, self.one_layer)
         self.model = self.model or self._sharded_model(graph)
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
             before = self.dump.snapshot(graph) if self.dump else None
@@ -104,7 +104,7 @@ class PassManager:
             graph.eliminate_dead_code()
             secondary = self.secondary_bytes if kind == "forward" else 0
             comm = GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary, self.model,
-                             self.frame)
+                             self.frame, self.one_layer)
             self.record(comm)
             if self.dump:
                 self.dump.write_graph(comm, graph)

@@ -7,9 +7,8 @@ whose properties return the gathered weight inside forward: reading `module.weig
 the `zpp::all_gather_param` IR op on the local shard, and autograd reduces the gradient back to
 the shard through `zpp::reduce_grad`; outside forward it is the shard itself (`forward_scope`).
 Run eagerly this is plain ZeRO-3; under `torch.compile(backend="zeropp")` the passes rewrite
-those ops. With Config.compile_layers_once, each layer gathers all its parameters first and
-computes inside a compile region that torch.compile partitions and compiles once for every
-identical layer (`layer_regions`). What zeropp keeps on each module holding shards is one object,
+those ops. With Config.compile_layers_once, each layer is compiled as a graph of its own, once
+for every identical layer (`layer_graphs`). What zeropp keeps on each module holding shards is one object,
 `module._zpp` (`module_state`).
 """
 
@@ -29,7 +28,7 @@ from .config import Config, ConfigError
 from . import leaf_modules, padding
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .grad_sync import gathered_weight
-from .layer_regions import compile_layers_once
+from .layer_graphs import compile_layers_once
 from .module_state import HeldShards, ParamLayout, held_shards
 from .initialization import (
     MetaInit, accept_full_tensors, await_initialization, broadcast_buffers, check_initialized, children_first, listing,
@@ -98,7 +97,7 @@ def shard(
         module.__class__ = _gathering_class(type(module), frozenset(names), id(module) in in_leaves)
         accept_full_tensors(module)
     if config.compile_layers_once:
-        compile_layers_once(layers.values())
+        compile_layers_once(layers, sharding_id)
     for leaf in leaves:
         leaf_modules.attach(leaf)
     attach_to_model(model, scope)

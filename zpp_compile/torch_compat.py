@@ -17,7 +17,6 @@ Dynamo's `EXAMPLE_VALUE`.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -45,10 +44,9 @@ from torch._guards import CompileContext
 # Each pass's time in torch's compile-time report, its graph in TORCH_TRACE (tlparse).
 from torch._dynamo.utils import dynamo_timed  # noqa: F401
 from torch._logging import trace_structured  # noqa: F401
-# With compile_layers_once, a layer's gathered weights stand in for its shards inside its compile
-# region the way Dynamo knows to undo (torch.func.functional_call's own swap; calling
-# functional_call would run the layer's hooks a second time).
-from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
+# How many graphs Dynamo compiles for one frame before it runs the frame eagerly; a layer's own
+# frame (compile_layers_once) gets a cap of its own.
+from torch._dynamo import config as dynamo_config
 
 NN_MODULE_STACK = "nn_module_stack"
 FWD_NN_MODULE_STACK = "fwd_nn_module_stack"
@@ -57,8 +55,6 @@ REALIZE_TO_STRIDES = "inductor_realize_to_strides"
 USER_VISIBLE_OUTPUTS = "user_visible_output_idxs"
 EXAMPLE_VALUE = "example_value"
 
-# The higher-order op of a nested compile region's call (compile_layers_once's layers).
-INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 # The functional collectives Inductor lowers and overlaps (what torch.distributed's
 # _functional_collectives module calls).
 C10D_FUNCTIONAL = torch.ops._c10d_functional
@@ -121,10 +117,11 @@ def dtensor_with_spec(local: torch.Tensor, spec: Any) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
-def regions_reuse_traces() -> bool:
-    """Whether torch.compiler.nested_compile_region traces a region once and reuses that trace for
-    identical calls (the versions that do cap those reuses with `max_reuse_entries`)."""
-    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+def frame_recompile_limit(limit: int) -> Any:
+    """A context in which Dynamo compiles a frame up to `limit` times (never fewer than torch's own
+    setting; older torch names it cache_size_limit)."""
+    key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    return dynamo_config.patch(**{key: max(limit, getattr(dynamo_config, key))})
 
 
 def dtensor_cache_keys_stable() -> bool:

@@ -1,0 +1,93 @@
+"""Config.compile_layers_once: each layer compiled as a graph of its own, once for every identical layer.
+
+torch.compile traces a frame into a graph until it meets a function it must not trace
+(`torch.compiler.disable(..., recursive=False)`); that function runs as Python, and the frames it
+calls are traced and compiled as frames of their own. Each layer's class becomes a subclass whose
+forward is such a function, calling the class's own forward: the step's graph breaks at every
+layer, and Dynamo compiles the layer's forward, whose code identical layers share, for the first
+layer and runs that compiled code for every other one (their parameters are the graph's inputs,
+checked by guards, not constants in it). zeropp's backend compiles a layer's graph as any other:
+the gathers of the layer's parameters in its forward, their reductions in its backward, every
+pass on both. Compile time then no longer grows with depth, as with FSDP2's compile per block.
+
+The communication report counts a layer's graph once for every layer that ran it last: the
+forward sets `COMPILATION.running_layer` while it runs, and the compiled graph records which
+layer ran it (`record_layer_run`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from .runtime.registry import COMPILATION
+from .torch_compat import frame_recompile_limit
+
+if TYPE_CHECKING:
+    from .dump import GraphDump
+
+
+def compile_layers_once(layers: dict[str, nn.Module], sharding_id: int) -> None:
+    """Gives each of `layers` (by qualified name) a forward that torch.compile compiles as a graph
+    of its own, shared by identical layers."""
+    subclasses: dict[type, type] = {}
+    for name, layer in layers.items():
+        if not any(True for _ in layer.parameters()):
+            continue  # nothing to gather: a graph break there would only split the step's graph
+        cls = type(layer)
+        if cls not in subclasses:
+            # The class keeps its name, which transformers and wrap policies match layers by.
+            subclasses[cls] = type(cls.__name__, (cls,), {"forward": _compiled_on_its_own(cls.forward)})
+        layer.__class__ = subclasses[cls]
+        layer._zpp_layer = (sharding_id, name)
+
+
+# Identical layers whose forwards read different constants (an HF layer's layer_idx) get a graph
+# each; torch's default cap on a frame's compilations (8) would run deeper models' layers eagerly.
+_LAYER_GRAPHS_PER_FRAME = 1024
+
+
+def _compiled_on_its_own(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A layer's forward that the caller's graph does not trace: `forward`, compiled by
+    torch.compile as a frame of its own when the caller is being compiled, run as it is otherwise."""
+
+    @torch.compiler.disable(recursive=False)
+    def run_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with running(layer._zpp_layer), frame_recompile_limit(_LAYER_GRAPHS_PER_FRAME):
+            return forward(layer, *args, **kwargs)
+
+    return run_layer
+
+
+@contextlib.contextmanager
+def running(layer: tuple[int, str]) -> Iterator[None]:
+    """`layer` (sharding id, qualified name) is the layer whose forward runs or compiles now."""
+    outer, COMPILATION.running_layer = COMPILATION.running_layer, layer
+    try:
+        yield
+    finally:
+        COMPILATION.running_layer = outer
+
+
+def record_layer_run(compiled: Callable[..., Any], graph_id: str, dump: GraphDump | None) -> Callable[..., Any]:
+    """`compiled`, a layer's graph, recording on each call which layer ran it (the report counts a
+    graph once per layer whose latest run it was), and writing the counts to `dump` when they change."""
+
+    def run(*args: Any) -> Any:
+        layer = COMPILATION.running_layer
+        if layer is not None and COMPILATION.layer_graphs.get(layer) != graph_id:
+            COMPILATION.layer_graphs[layer] = graph_id
+            if dump is not None:
+                dump.write_layer_runs(layer_runs())
+        return compiled(*args)
+
+    return run
+
+
+def layer_runs() -> dict[str, int]:
+    """How many layers ran each layer's graph last, by graph id."""
+    return dict(Counter(COMPILATION.layer_graphs.values()))
