@@ -43,11 +43,11 @@ def llama3_debug_initialized() -> torch.nn.Module:
     return model
 
 
-def train(rank: int, world_size: int) -> dict:
+def train(rank: int, world_size: int, options: dict) -> dict:
     """3 SGD steps of the sharded model, compiled; rank 0 also trains the unsharded model from
     the sharded one's initial weights on all ranks' samples."""
     model = llama3_debug_on_meta()
-    zpp.shard(model, {"inductor": False})
+    zpp.shard(model, {"inductor": False, **options})
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # as torchtitan's trainer: nn.init.* on the shards
@@ -80,9 +80,9 @@ def train(rank: int, world_size: int) -> dict:
             "reference_losses": reference_losses}
 
 
-@pytest.fixture(scope="module")
-def run():
-    return run_ranks(train, 2)
+@pytest.fixture(scope="module", params=[{}, {"compile_layers_once": True}], ids=["whole step", "layers once"])
+def run(request):
+    return run_ranks(train, 2, request.param)
 
 
 def test_init_weights_after_shard_initializes_the_shards_as_torchtitan_does(run):
