@@ -62,11 +62,12 @@ def compare(rank: int, world_size: int, options: dict, accumulate: int, evaluate
     own, the embedding's, each block's, the final norm's and the head's)."""
     plain = train(rank, world_size, options, accumulate, evaluate)
     graphed = train(rank, world_size, {**options, "cuda_graphs": True}, accumulate, evaluate)
-    # The last step replays a captured graph for every forward and backward (and Inductor's
-    # graph trees may split one), and captures none.
+    # The last step captures nothing and replays a captured graph for every forward and backward
+    # (with layers compiled on their own, 11 replays on one H200, torch 2.11, where the five
+    # graphs' forwards and backwards make ten; not more than a replay more per graph).
     assert plain[4]["cudaGraphLaunch"] == 0, plain[4]
     assert graphed[4]["cudaStreamBeginCapture"] == 0, graphed[4]
-    assert 2 * graphs * accumulate <= graphed[4]["cudaGraphLaunch"] <= 2 * graphs * accumulate + graphs - 1, graphed[4]
+    assert 2 * graphs * accumulate <= graphed[4]["cudaGraphLaunch"] <= 3 * graphs * accumulate, graphed[4]
     # The same kernels on the same data; the embedding's backward adds with atomics on CUDA, so
     # results agree to rounding rather than bitwise, in either mode alike.
     close = dict(rtol=1e-5, atol=1e-6)
