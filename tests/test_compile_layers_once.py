@@ -90,8 +90,13 @@ def compile_once_run(rank: int, world_size: int) -> None:
             # the embedding, each layer (one bucket each), the final norm and the head (each in a
             # graph of its own: the step's graph breaks at the layers); backward all but the
             # embedding, whose gradient needs no weight.
-            gathers = Counter(row.phase for row in zpp.comm_report().rows)
+            report = zpp.comm_report()
+            gathers = Counter(row.phase for row in report.rows)
             assert (gathers["forward weight gather"], gathers["backward weight gather"]) == (LAYERS + 3, LAYERS + 2)
+            # An evaluation between steps runs graphs of its own, not the training step's.
+            with torch.no_grad():
+                torch.compile(model, backend="zeropp", options={"inductor": False})(input_ids=mine)
+            assert zpp.comm_report() == report
     # The same ops in the same order: the same gradients, to the bit.
     for name, grad in grads[True].items():
         assert torch.equal(grad, grads[False][name]), name

@@ -74,12 +74,14 @@ def running(layer: tuple[int, str]) -> Iterator[None]:
 
 
 def record_layer_run(compiled: Callable[..., Any], graph_id: str, dump: GraphDump | None) -> Callable[..., Any]:
-    """`compiled`, a layer's graph, recording on each call which layer ran it (the report counts a
-    graph once per layer whose latest run it was), and writing the counts to `dump` when they change."""
+    """`compiled`, a layer's graph, recording on each training call which layer ran it (the report
+    counts a graph once per layer whose latest training run it was; an evaluation under no_grad
+    runs a graph of its own, which is not part of a training step), and writing the counts to
+    `dump` when they change."""
 
     def run(*args: Any) -> Any:
         layer = COMPILATION.running_layer
-        if layer is not None and COMPILATION.layer_graphs.get(layer) != graph_id:
+        if layer is not None and torch.is_grad_enabled() and COMPILATION.layer_graphs.get(layer) != graph_id:
             COMPILATION.layer_graphs[layer] = graph_id
             if dump is not None:
                 dump.write_layer_runs(layer_runs())
