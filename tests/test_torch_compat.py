@@ -44,7 +44,7 @@ def dynamo_graph(fn, *args) -> fx.GraphModule:
         graphs.append(gm)
         return gm
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(fn, backend=backend, fullgraph=True)(*args)
     return graphs[0]
 
@@ -62,7 +62,7 @@ def aot_graphs(fn, *args, partition_fn=None) -> dict[str, fx.GraphModule]:
             return make_boxed_func(gm)
         return compile_
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     backend = tc.aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                               partition_fn=partition_fn or min_cut_rematerialization_partition)
     torch.compile(fn, backend=backend, fullgraph=True)(*args).sum().backward()
@@ -114,7 +114,7 @@ def test_dynamo_marks_nodes_with_module_stack_and_example_value_and_frame_id():
         return gm
 
     block = Block()
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(block, backend=backend)
     compiled(torch.randn(2, 4))
     compiled(torch.randn(3, 5, 4))  # a new rank: the same frame compiled again
@@ -161,7 +161,7 @@ def test_compile_fx_marks_user_visible_outputs_before_inner_compile():
     def backend(gm, inputs):
         return tc.compile_fx(gm, inputs, inner_compile=inner_compile)
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(Block(), backend=backend)(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert [backward for backward, _ in seen] == [False, True]
     assert all(outputs is not None for _, outputs in seen), seen
@@ -204,13 +204,13 @@ def test_a_frames_compile_cap_is_raised_within_the_context():
     def scaled(x, factor):
         return x * factor
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     x = torch.randn(2)
     with tc.frame_recompile_limit(16):
         for factor in range(12):  # a graph per constant, more than torch's default cap of 8
             torch.testing.assert_close(scaled(x, factor), x * factor)
     assert len(graphs) == 12
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def test_functional_collectives_zeropp_issues_exist():
