@@ -74,6 +74,10 @@ variant alike.
                      the pace, and neither the host nor the link can win time back
     host ms/step     the time the host takes to issue a step; close to ms/step when the host,
                      not the GPU, sets the pace (--trace-dir keeps the traces to see where)
+    kernel ms/step   (GPU, a second table) rank 0's kernel time per step by kind: matrix products,
+                     attention, zeropp's quantization kernels, Inductor's generated kernels, the
+                     optimizer's, eager copies and casts, NCCL's, other (`KERNEL_KINDS`), so that
+                     two variants' GPU work compares kind by kind
 """
 
 from __future__ import annotations
@@ -472,6 +476,33 @@ def compute_time(kernels: Iterable[tuple[str, float, float]]) -> float:
     return sum(end - start for start, end in merged((s, e) for name, s, e in kernels if not name.startswith("nccl")))
 
 
+# The compute-stream breakdown's kernel kinds, by the names the profiler gives CUDA kernels; the
+# first kind whose pattern a name holds (lower case) takes it, "other" what none does.
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("quantization", ("qwz_", "qgz_")),  # zeropp's Triton kernels
+    ("inductor", ("triton_",)),  # the kernels Inductor generates (fused pointwise, reductions)
+    ("optimizer", ("multi_tensor_apply",)),
+    ("copy and cast", ("copy", "elementwise", "catarray", "fill")),  # eager ATen copies and casts
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, patterns in KERNEL_KINDS if any(p in lowered for p in patterns)), "other")
+
+
+def kernel_breakdown(kernels: Iterable[tuple[str, float, float]], steps: int) -> dict[str, float]:
+    """Kernel time per step in ms by kind (`KERNEL_KINDS`), summed over kernels (ones that overlap
+    count twice), from (name, start, end) records in microseconds on one GPU."""
+    totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for name, start, end in kernels:
+        totals[kernel_kind(name)] += (end - start) / 1e3 / steps
+    return totals
+
+
 def transfer_only(kernels: list[tuple[str, float, float]], transfer: list[float]) -> list[tuple[str, float, float]]:
     """`kernels` with the i-th NCCL kernel cut to its last `transfer[i]` (the time it moved data,
     after every rank had joined)."""
@@ -647,10 +678,11 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     seconds, host_seconds = timed(device, lambda: train(args.steps))
     seconds = rank_max(seconds, device) / args.steps
     host_seconds = rank_max(host_seconds, device) / args.steps
-    exposed = peer_wait = busy = None
+    exposed = peer_wait = busy = breakdown = None
     if device.type == "cuda" and args.profile_steps:
         trace = os.path.join(args.trace_dir, f"{trace_name}.rank{dist.get_rank()}") if args.trace_dir else None
         kernels, wall_us = profiled_kernels(lambda: train(args.profile_steps), trace)
+        breakdown = kernel_breakdown(kernels, args.profile_steps)  # rank 0's
         exposed, peer_wait = exposed_and_peer_wait(kernels, wall_us)
         busy = compute_time(kernels) / 1e6 / args.profile_steps / seconds
         exposed, peer_wait, busy = (rank_max(v, device) for v in (exposed, peer_wait, busy))
@@ -665,7 +697,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         "first_step_s": first_step_s, "warmup_s": warmup_s, "tflops_per_gpu": tflops,
         "mfu": tflops / env["peak_tflops"] if env["peak_tflops"] else None,
         "peak_memory_bytes": peak, "allocated_at_start_bytes": leftover, "exposed_comm_fraction": exposed,
-        "peer_wait_fraction": peer_wait, "gpu_busy_fraction": busy,
+        "peer_wait_fraction": peer_wait, "gpu_busy_fraction": busy, "kernel_ms_per_step": breakdown,
         "parameters": n_params,
         **comm_bytes(variant, shard_numel, world, ranks_per_node),
     }
@@ -856,6 +888,17 @@ def table(results: list[dict[str, Any]]) -> str:
     return text_table.render(headers, rows, align="<>>>>>>><>>>>>><>>", gap=1)
 
 
+def breakdown_table(results: list[dict[str, Any]]) -> str | None:
+    """Each variant's kernel time per step by kind (rank 0's profiled steps), if profiled."""
+    profiled = [r for r in results if r.get("kernel_ms_per_step")]
+    if not profiled:
+        return None
+    kinds = [kind for kind in profiled[0]["kernel_ms_per_step"] if any(r["kernel_ms_per_step"][kind] for r in profiled)]
+    rows = [(r["name"], *(f"{r['kernel_ms_per_step'][kind]:.1f}" for kind in kinds),
+             f"{sum(r['kernel_ms_per_step'].values()):.1f}") for r in profiled]
+    return text_table.render(("kernel ms/step", *kinds, "all"), rows, align="<" + ">" * (len(kinds) + 1))
+
+
 def plot(results: list[dict[str, Any]], title: str, path: str) -> None:
     try:
         import matplotlib
@@ -963,6 +1006,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     results = medians(rounds, names)
     if rank == 0:
         print(table(results))
+        if (breakdown := breakdown_table(results)) is not None:
+            print(breakdown)
         if args.rounds > 1:
             for r in results:
                 print(f"  {r['name']:<18} rounds, ms/step: " + ", ".join(f"{ms:.1f}" for ms in r["ms_per_step_rounds"]))

@@ -24,9 +24,9 @@ import transformers
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import (LLAMA_SHAPES, compute_time, default_variants, exposed_and_peer_wait,  # noqa: E402
-                   exposed_communication, llama, median_round, nccl_durations, parse_args, transfer_only,
-                   transfer_times)
+from bench import (LLAMA_SHAPES, breakdown_table, compute_time, default_variants, exposed_and_peer_wait,  # noqa: E402
+                   exposed_communication, kernel_breakdown, llama, median_round, nccl_durations, parse_args,
+                   transfer_only, transfer_times)
 from gpt import GPT, GPTConfig  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
@@ -294,6 +294,22 @@ def test_compute_time_is_the_union_of_other_kernels():
     kernels = [("ncclDevKernel_AllGather", 0, 30), ("gemm", 2, 5), ("triton_poi", 4, 6), ("gemm", 10, 12)]
     assert compute_time(kernels) == 6  # 2-6 and 10-12; NCCL's 30 units count for nothing
     assert compute_time([("ncclDevKernel_ReduceScatter", 0, 9)]) == 0
+
+
+def test_kernel_breakdown_sums_each_kind_per_step():
+    kernels = [("ncclDevKernel_AllGather_RING_LL", 0, 30), ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 2, 6),
+               ("sm90_xmma_gemm_bf16bf16_bf16f32", 6, 8), ("void pytorch_flash::flash_fwd_kernel<>", 8, 18),
+               ("triton_poi_fused__to_copy_mul_0", 18, 20), ("qwz_quantize_kernel", 20, 21),
+               ("void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda>", 21, 23),
+               ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<>", 23, 27),
+               ("void at::native::reduce_kernel<512, 1>", 27, 28)]
+    ms = kernel_breakdown(kernels, steps=2)
+    assert ms == pytest.approx({"nccl": 0.015, "matmul": 0.003, "attention": 0.005, "quantization": 0.0005,
+                                "inductor": 0.001, "optimizer": 0.002, "copy and cast": 0.001, "other": 0.0005})
+    row = {"name": "zero3", "kernel_ms_per_step": {kind: v * 1000 for kind, v in ms.items()}}
+    rendered = breakdown_table([row, {"name": "fsdp2", "kernel_ms_per_step": None}])
+    assert rendered.splitlines()[0].split()[:3] == ["kernel", "ms/step", "nccl"] and "fsdp2" not in rendered
+    assert breakdown_table([{"name": "zero3", "kernel_ms_per_step": None}]) is None
 
 
 def test_peer_wait_is_the_part_of_a_collective_before_the_last_rank_joined():
