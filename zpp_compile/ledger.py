@@ -175,7 +175,7 @@ def training_graphs(graphs: list[GraphComm], layer_runs: Mapping[str, int] | Non
     has a backward (not the inference-only graphs of, say, evaluation), and of a frame Dynamo
     compiled several times for one model (recompiled for a new input shape or a changed flag), the
     latest compilation only. Several frames (a step with graph breaks) all count. A layer's own
-    graph counts while some layer ran it last (`layer_runs`, by graph id: `layer_graphs.layers_running`)."""
+    graph counts while some layer ran it last (`layer_runs`, by graph id: `layer_graphs.layer_runs`)."""
     runs = layer_runs or {}
     trained = {_dynamo_graph(g) for g in graphs if g.kind == "backward"}
     latest: dict[tuple, str] = {}
