@@ -10,7 +10,9 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..torch_compat import RECOMPUTE, OpOverload, mutates_arguments, op_arguments
+from ..torch_compat import (
+    AC_GRAPH_ID, IN_BACKWARD, PARTITIONER_TAG, RECOMPUTE, OpOverload, mutates_arguments, op_arguments,
+)
 from .base import RECOMPUTED, PassContext
 from .fx_util import ancestors, backward_nodes, nodes_calling, weight_chain
 
@@ -165,8 +167,8 @@ def _recompute_in_backward(graph: fx.Graph, copied: list[fx.Node], forward: set[
     aliases: dict[fx.Node, fx.Node] = {}
 
     def tag(node: fx.Node) -> fx.Node:
-        node.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=ac_graph_id,
-                         partitioner_tag="is_backward")
+        node.meta.update({RECOMPUTE: CheckpointPolicy.MUST_RECOMPUTE, AC_GRAPH_ID: ac_graph_id,
+                          PARTITIONER_TAG: IN_BACKWARD})
         node.meta[RECOMPUTED] = True
         made.add(node)
         return node

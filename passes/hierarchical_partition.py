@@ -52,7 +52,7 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
         copy.meta[SECONDARY_COPY] = True
         with graph.inserting_after(copy if sliced else weight):
             kept = graph.call_function(torch.ops.zpp.with_secondary_copy.default, (weight, copy))
-        kept.meta.update(val=weight.meta["val"], recompute=CheckpointPolicy.MUST_RECOMPUTE)
+        kept.meta.update({"val": weight.meta["val"], RECOMPUTE: CheckpointPolicy.MUST_RECOMPUTE})
         weight.replace_all_uses_with(kept, delete_user_cb=users.__contains__)
 
         # Backward: the weight rebuilt from the secondary group, and the chain repeated on it.

@@ -167,6 +167,14 @@ def test_compile_fx_marks_user_visible_outputs_before_inner_compile():
     assert all(outputs is not None for _, outputs in seen), seen
 
 
+def test_the_partitioner_reads_the_region_and_placement_marks():
+    import torch._functorch.partitioners as partitioners  # where the min-cut partitioner reads them
+
+    source = inspect.getsource(partitioners)
+    assert f'"{tc.AC_GRAPH_ID}"' in source
+    assert f'"{tc.PARTITIONER_TAG}"' in source and f'"{tc.IN_BACKWARD}"' in source
+
+
 def test_inductor_reads_the_stride_mark():
     import torch._inductor.graph as inductor_graph  # where Inductor realizes a marked node with its strides
 

@@ -10,7 +10,8 @@ the installed torch what it does; nothing compares version strings.
 Graph node meta keys read or written by the passes: "val" (the fake value of a node, FX's
 convention that every torch graph pass relies on), and those torch gives meaning to, named here:
 the module stacks Dynamo records (`NN_MODULE_STACK`, and `FWD_NN_MODULE_STACK` on backward
-nodes), the partitioner's recompute policy (`RECOMPUTE`), Inductor's stride pinning
+nodes), the partitioner's recompute policy, region ids and placement (`RECOMPUTE`,
+`AC_GRAPH_ID`, `PARTITIONER_TAG`), Inductor's stride pinning
 (`REALIZE_TO_STRIDES`), the user-visible outputs compile_fx marks (`USER_VISIBLE_OUTPUTS`), and
 Dynamo's `EXAMPLE_VALUE`.
 """
@@ -51,6 +52,10 @@ from torch._dynamo import config as dynamo_config
 NN_MODULE_STACK = "nn_module_stack"
 FWD_NN_MODULE_STACK = "fwd_nn_module_stack"
 RECOMPUTE = "recompute"  # a torch.utils.checkpoint.CheckpointPolicy the min-cut partitioner obeys
+# The min-cut partitioner's grouping of recomputed nodes (a checkpointed region's id) and its
+# placement tag, with the value that places a node in backward.
+AC_GRAPH_ID = "ac_graph_id"
+PARTITIONER_TAG, IN_BACKWARD = "partitioner_tag", "is_backward"
 REALIZE_TO_STRIDES = "inductor_realize_to_strides"
 USER_VISIBLE_OUTPUTS = "user_visible_output_idxs"
 EXAMPLE_VALUE = "example_value"
@@ -118,8 +123,8 @@ def dtensor_with_spec(local: torch.Tensor, spec: Any) -> DTensor:
 
 
 def frame_recompile_limit(limit: int) -> Any:
-    """A context in which Dynamo compiles a frame up to `limit` times (never fewer than torch's own
-    setting; older torch names it cache_size_limit)."""
+    """A context, reusable and nestable, in which Dynamo compiles a frame up to `limit` times (never
+    fewer than torch's own setting when it is made; older torch names it cache_size_limit)."""
     key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     return dynamo_config.patch(**{key: max(limit, getattr(dynamo_config, key))})
 
