@@ -37,14 +37,18 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     one dequantize kernel per bucket. Where qwZ or qgZ is on, members of at least one block are
     padded to whole blocks (so each block's scale covers one parameter, exactly as without
     buckets) and smaller members are bucketed apart, in full precision. A parameter gathered twice
-    in one bucket (tied weights) is gathered once.
+    in one bucket (tied weights) is gathered once. Gathers and reductions over a group of one rank
+    stay apart: they issue no collective to save (`runtime/collectives.py`), and a bucket would
+    only add its copies in and out.
     """
     size = ctx.config.bucket_size
-    gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
+    gathers = [n for n in nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
+               if gather_param_args(n).group_size > 1]
     layer_of_node = ctx.layer_of if ctx.buckets_within_layers else lambda n: None
     for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config), layer_of_node):
         _merge_gathers(graph, bucket)
-    reductions = nodes_calling(graph, torch.ops.zpp.reduce_grad.default)
+    reductions = [n for n in nodes_calling(graph, torch.ops.zpp.reduce_grad.default)
+                  if reduce_grad_args(n).group_size > 1]
     for bucket in _buckets(reductions, size, lambda n: _reduce_key(n, ctx.config), layer_of_node):
         _merge_reductions(graph, bucket)
 

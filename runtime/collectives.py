@@ -2,7 +2,9 @@
 
 The IR ops run these eagerly, and the lowering passes trace the same functions into the compiled
 graphs, so eager and compiled runs issue identical collectives and Inductor sees ordinary
-functional collectives it knows how to schedule.
+functional collectives it knows how to schedule. A group of one member (one GPU, or a level of
+the hierarchy holding one rank) issues none: its collectives return their input, so a traced
+gather or reduction over it is its cast alone, with no buffer copied through the network library.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ def gathers_into_given_output(device: torch.device) -> bool:
 
 
 def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Every member's `x` concatenated along dim 0, in group rank order."""
+    """Every member's `x` concatenated along dim 0, in group rank order; `x` itself in a group of
+    one."""
     x = x.contiguous()
+    if group_size == 1:
+        return x
     if gathers_into_given_output(x.device):
         out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(x, group_size, group_name, out=out))
@@ -37,12 +42,18 @@ def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tenso
 
 
 def reduce_scatter_sum(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Chunk `rank` (of `group_size` equal chunks along dim 0) of the sum of every member's `x`."""
+    """Chunk `rank` (of `group_size` equal chunks along dim 0) of the sum of every member's `x`;
+    `x` itself in a group of one."""
+    if group_size == 1:
+        return x.contiguous()
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), "sum", group_size, group_name))
 
 
 def all_to_all(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Chunk i of `x` (equal chunks along dim 0) goes to member i; received chunks in rank order."""
+    """Chunk i of `x` (equal chunks along dim 0) goes to member i; received chunks in rank order;
+    `x` itself in a group of one."""
+    if group_size == 1:
+        return x.contiguous()
     splits = [x.shape[0] // group_size] * group_size
     return _c10d.wait_tensor(_c10d.all_to_all_single(x.contiguous(), splits, splits, group_name))
 

@@ -105,7 +105,8 @@ def all_gather_flat(x: torch.Tensor, group_size: int, group_name: str) -> torch.
     force-save a `_c10d_functional` collective, but treats this op like any other.
     """
     with naming_collective("zpp::all_gather_flat", group_size, group_name):
-        return all_gather(x, group_size, group_name)
+        gathered = all_gather(x, group_size, group_name)
+    return gathered.clone() if gathered is x else gathered  # a group of one; an op's output may not be its input
 
 
 @all_gather_flat.register_fake

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,28 @@ def test_world4_two_nodes_matches_unsharded_reference(mode):
     # The compiled run checks the rewritten graphs across two nodes; Inductor's code generation of
     # those graphs is checked end to end at world 2 (test_world2_matches_unsharded_reference).
     run_ranks(train_sharded, 4, mode, {"ranks_per_node": 2})
+
+
+def one_rank_graphs(rank: int, world_size: int, mode: str, dump_dir: str) -> list[tuple[str, str]]:
+    """Trains on one rank against the reference; per compiled graph, its code as lowering found
+    it and as compiled."""
+    train_sharded(rank, world_size, mode, {"dump_dir": dump_dir, "bucket_size": 1 << 20})
+    folder = Path(dump_dir, f"rank{rank}")
+    return [(folder.joinpath(lowered.name.replace("lowered", "lowering.00.lower_collectives.before")).read_text(),
+             lowered.read_text()) for lowered in sorted(folder.glob("*.lowered.py"))]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["eager", "aot", "inductor"])
+def test_world1_matches_reference_with_no_collective_and_no_bucket(mode, tmp_path):
+    # One rank moves nothing: each gather and reduction is its cast alone, with no bucket copied
+    # in or out (at world 2 the same bucket size joins every layer's weights).
+    graphs = run_ranks(one_rank_graphs, 1, mode, str(tmp_path))[0]
+    assert len(graphs) == (0 if mode == "eager" else 2)  # forward and backward
+    for before_lowering, lowered in graphs:
+        assert "zpp.all_gather_param" in before_lowering or "zpp.reduce_grad" in before_lowering, before_lowering
+        assert "bucket" not in before_lowering, before_lowering
+        assert "zpp." not in lowered and "_c10d_functional" not in lowered, lowered
 
 
 def graph_break_run(rank: int, world_size: int) -> int:
