@@ -42,28 +42,32 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     only add its copies in and out.
     """
     size = ctx.config.bucket_size
-    gathers = [n for n in nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
-               if gather_param_args(n).group_size > 1]
+    gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
     layer_of_node = ctx.layer_of if ctx.buckets_within_layers else lambda n: None
     for bucket in _buckets(gathers, size, lambda n: _gather_key(n, ctx.config), layer_of_node):
         _merge_gathers(graph, bucket)
-    reductions = [n for n in nodes_calling(graph, torch.ops.zpp.reduce_grad.default)
-                  if reduce_grad_args(n).group_size > 1]
+    reductions = nodes_calling(graph, torch.ops.zpp.reduce_grad.default)
     for bucket in _buckets(reductions, size, lambda n: _reduce_key(n, ctx.config), layer_of_node):
         _merge_reductions(graph, bucket)
 
 
-def _gather_key(node: fx.Node, config: Any) -> tuple:
-    """What members of one bucket share; the last item is the qwZ block size (0: unquantized).
-    A weight held across several reads (gather_once) shares a bucket only with such weights."""
+def _gather_key(node: fx.Node, config: Any) -> tuple | None:
+    """What members of one bucket share, None for a gather over one rank (left alone); the last
+    item is the qwZ block size (0: unquantized). A weight held across several reads (gather_once)
+    shares a bucket only with such weights."""
     gather = gather_param_args(node)
+    if gather.group_size == 1:
+        return None
     return (gather.shard.meta["val"].dtype, gather.group_size, gather.group_name, gather.dtype, gather.reduce_dtype,
             gather.sharding_id, node.meta.get(READ_REPEATEDLY, False), weight_block_size(config, node))
 
 
-def _reduce_key(node: fx.Node, config: Any) -> tuple:
-    """What members of one bucket share; the last item is the qgZ block size (0: unquantized)."""
+def _reduce_key(node: fx.Node, config: Any) -> tuple | None:
+    """What members of one bucket share, None for a reduction over one rank (left alone); the last
+    item is the qgZ block size (0: unquantized)."""
     reduction = reduce_grad_args(node)
+    if reduction.group_size == 1:
+        return None
     return (reduction.grad.meta["val"].dtype, reduction.group_size, reduction.group_name, reduction.dtype,
             gradient_block_size(config, node))
 
@@ -76,17 +80,19 @@ def _nbytes(node: fx.Node) -> int:
 
 def _buckets(nodes: list[fx.Node], size: int, key_of, layer_of) -> list[_Bucket]:
     """Groups `nodes` (in graph order) into buckets of equal key and layer and at most `size`
-    bytes each (a node larger than `size` gets a bucket of its own). Buckets of one node are
-    left alone."""
+    bytes each (a node larger than `size` gets a bucket of its own). Buckets of one node, and
+    nodes whose key is None, are left alone."""
     done: list[_Bucket] = []
     open_buckets: dict[tuple, _Bucket] = {}
     layer = None
     for node in nodes:
+        if (key := key_of(node)) is None:
+            continue
         if (node_layer := layer_of(node)) != layer:
             done.extend(open_buckets.values())
             open_buckets.clear()
             layer = node_layer
-        key, nbytes = key_of(node), _nbytes(node)
+        nbytes = _nbytes(node)
         bucket = open_buckets.get(key)
         if bucket is not None and bucket.nbytes + nbytes > size:
             done.append(open_buckets.pop(key))

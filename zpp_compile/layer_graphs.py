@@ -36,7 +36,7 @@ def compile_layers_once(layers: dict[str, nn.Module], sharding_id: int) -> None:
     of its own, shared by identical layers."""
     subclasses: dict[type, type] = {}
     for name, layer in layers.items():
-        if not any(True for _ in layer.parameters()):
+        if next(layer.parameters(), None) is None:
             continue  # nothing to gather: a graph break there would only split the step's graph
         cls = type(layer)
         if cls not in subclasses:
