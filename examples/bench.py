@@ -26,9 +26,14 @@ Variants (each a fresh model from the same seed, trained on the same batches):
                        INT8 blocks (Config.hpz_quantized_copy=False): nothing to dequantize in
                        backward, for twice the copy's memory
     zero3_graphs all3_graphs zero3 and all3 with Config.cuda_graphs (GPUs only)
+    zero3_layers all3_layers zero3 and all3 with Config.compile_layers_once (each layer a graph of
+                       its own, compiled once for every identical layer); run only when named
     deepspeed_zero3    DeepSpeed ZeRO-3, bf16, its fused AdamW (when deepspeed is installed)
     deepspeed_zeropp   DeepSpeed ZeRO++: zero_quantized_weights, zero_hpz_partition_size = ranks
                        per emulated node (DeepSpeed reads 1 as off), zero_quantized_gradients
+
+A zeropp variant named NAME@KEY=VALUE (repeatable: zero3_layers@bucket_size=67108864) runs with
+that Config field on top of its own, beside the same variant without it in one launch.
 
 FSDP2 is `fully_shard` per block and on the root, bf16 parameters, each block compiled (as
 torchtitan does); zeropp is `zpp_compile.shard` with bf16 parameters and the whole step under
@@ -97,7 +102,7 @@ import time
 import warnings
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
@@ -152,7 +157,7 @@ class Variant:
 def all_variants(hpz_size: int, zpp_reduce: torch.dtype, ranks_per_node: int = 1) -> dict[str, Variant]:
     bf16, fp32 = torch.bfloat16, torch.float32
     qwz, hpz, qgz = {"quantized_weights": True}, {"hpz_partition_size": hpz_size}, {"quantized_gradients": True}
-    graphs = {"cuda_graphs": True}
+    graphs, layers = {"cuda_graphs": True}, {"compile_layers_once": True}
     variants = [
         Variant("fsdp2", "FSDP2 reshard, fp32 reduce (default)", "fsdp2", False, fp32),
         Variant("fsdp2_bf16_reduce", "FSDP2 reshard, bf16 reduce", "fsdp2", False, bf16),
@@ -167,6 +172,9 @@ def all_variants(hpz_size: int, zpp_reduce: torch.dtype, ranks_per_node: int = 1
         Variant("zero3_graphs", "zeropp ZeRO-3, CUDA graphs", "zeropp", False, zpp_reduce, graphs),
         Variant("all3_graphs", f"zeropp qwZ+hpZ={hpz_size}+qgZ, CUDA graphs", "zeropp", True, zpp_reduce,
                 {**qwz, **hpz, **qgz, **graphs}),
+        Variant("zero3_layers", "zeropp ZeRO-3, layers compiled once", "zeropp", False, zpp_reduce, layers),
+        Variant("all3_layers", f"zeropp qwZ+hpZ={hpz_size}+qgZ, layers compiled once", "zeropp", True, zpp_reduce,
+                {**qwz, **hpz, **qgz, **layers}),
         # DeepSpeed's secondary partition spans ranks_per_node ranks; 1 means none.
         Variant("deepspeed_zero3", "DeepSpeed ZeRO-3", "deepspeed", False, bf16),
         Variant("deepspeed_zeropp", f"DeepSpeed ZeRO++ qwZ+hpZ={ranks_per_node}+qgZ", "deepspeed", ranks_per_node > 1,
@@ -180,10 +188,11 @@ VARIANT_NAMES = tuple(all_variants(1, torch.bfloat16))
 
 
 def default_variants(on_gpu: bool, cuda_graphs: bool) -> list[str]:
-    """Every variant this launch can run: CUDA graphs need GPUs and Inductor, DeepSpeed's
-    variants need deepspeed (and GPUs: its CPU accelerator is not what anyone benchmarks)."""
+    """Every variant this launch can run but the `_layers` ones (named when wanted): CUDA graphs
+    need GPUs and Inductor, DeepSpeed's variants need deepspeed (and GPUs: its CPU accelerator is
+    not what anyone benchmarks)."""
     deepspeed = on_gpu and importlib.util.find_spec("deepspeed") is not None
-    return [n for n in VARIANT_NAMES if (cuda_graphs or not n.endswith("_graphs"))
+    return [n for n in VARIANT_NAMES if (cuda_graphs or not n.endswith("_graphs")) and not n.endswith("_layers")
             and (deepspeed or not n.startswith("deepspeed"))]
 
 
@@ -199,10 +208,26 @@ def _option(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def variant_options(spec: str) -> dict[str, Any]:
+    """The zeropp Config fields a variant spec `NAME@KEY=VALUE@...` adds to its variant."""
+    return dict(_option(text) for text in spec.split("@")[1:])
+
+
+def variant_of(spec: str, variants: dict[str, Variant]) -> Variant:
+    """The variant a spec names, with the spec's Config fields (under the spec as its name)."""
+    variant = variants[spec.split("@")[0]]
+    options = variant_options(spec)
+    if not options:
+        return variant
+    label = variant.label + ", " + ", ".join(f"{k}={v}" for k, v in options.items())
+    return replace(variant, name=spec, label=label, zpp_options={**variant.zpp_options, **options})
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", help=f"comma-separated subset of {VARIANT_NAMES} (default: all this launch can run: "
-                                      "CUDA graphs need GPUs and Inductor, DeepSpeed's need deepspeed and GPUs)")
+                                      "CUDA graphs need GPUs and Inductor, DeepSpeed's need deepspeed and GPUs); "
+                                      "NAME@KEY=VALUE runs a zeropp variant with that Config field too")
     p.add_argument("--model", choices=MODELS, default="gpt", help="the GPT of examples/gpt.py, or a HF Llama shape")
     p.add_argument("--dim", type=int, help="GPT width (default 2048 on GPUs, 64 on CPU)")
     p.add_argument("--layers", type=int, help="blocks (GPT: default 12 on GPUs, 2 on CPU; Llama: the shape's)")
@@ -232,9 +257,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--png", help="write a bar chart here (rank 0; needs matplotlib)")
     args = p.parse_args(argv)
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANT_NAMES)) if args.variants else []
+    specs = args.variants.split(",") if args.variants else []
+    unknown = sorted({spec.split("@")[0] for spec in specs} - set(VARIANT_NAMES))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
+    for spec in specs:
+        try:
+            options = variant_options(spec)
+            if options and not spec.startswith(("zero3", "qwz", "hpz", "qgz", "all3")):
+                raise argparse.ArgumentTypeError("options after @ are zeropp Config fields, for zeropp's variants")
+            zpp.Config(**options)
+        except (argparse.ArgumentTypeError, zpp.ConfigError, TypeError) as error:
+            p.error(f"--variants {spec}: {error}")
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: give 1 or more")
     if args.warmup is not None and args.warmup < 1:
@@ -244,8 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--layers for fewer layers)")
     if args.model != "gpt" and importlib.util.find_spec("transformers") is None:
         p.error(f"--model {args.model} needs HF transformers: pip install transformers")
-    requested = args.variants.split(",") if args.variants else []
-    if any(n.startswith("deepspeed") for n in requested) and importlib.util.find_spec("deepspeed") is None:
+    if any(n.startswith("deepspeed") for n in specs) and importlib.util.find_spec("deepspeed") is None:
         p.error("the deepspeed_* variants need DeepSpeed: pip install deepspeed")
     args.zpp_option = dict(args.zpp_option)
     try:
@@ -849,9 +882,12 @@ def write_json(path: str, content: dict[str, Any]) -> None:
 
 
 def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median step time (of an even count, the slower middle one), with every run's."""
+    """The run of median step time (of an even count, the slower middle one), with every run's
+    step time; its first step and warm-up are the first run's, which compiled (later runs reuse
+    the process's compiled code)."""
     median = sorted(runs, key=lambda r: r["ms_per_step"])[len(runs) // 2]
-    return {**median, "ms_per_step_rounds": [r["ms_per_step"] for r in runs]}
+    return {**median, "first_step_s": runs[0]["first_step_s"], "warmup_s": runs[0]["warmup_s"],
+            "ms_per_step_rounds": [r["ms_per_step"] for r in runs]}
 
 
 def add_comparisons(results: list[dict[str, Any]]) -> None:
@@ -992,7 +1028,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for index in range(args.rounds):
         for name in names:
             label = f"{name}.round{index}" if args.rounds > 1 else name
-            r = run_variant(variants[name], args, data, env, label)
+            r = run_variant(variant_of(name, variants), args, data, env, label)
             rounds[name].append(r)
             if rank == 0:
                 print(f"  {label:<24} {r['ms_per_step']:8.1f} ms/step "

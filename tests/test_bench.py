@@ -24,9 +24,9 @@ import transformers
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import (LLAMA_SHAPES, breakdown_table, compute_time, default_variants, exposed_and_peer_wait,  # noqa: E402
-                   exposed_communication, kernel_breakdown, llama, median_round, nccl_durations, parse_args,
-                   transfer_only, transfer_times)
+from bench import (LLAMA_SHAPES, all_variants, breakdown_table, compute_time, default_variants,  # noqa: E402
+                   exposed_and_peer_wait, exposed_communication, kernel_breakdown, llama, median_round, nccl_durations,
+                   parse_args, transfer_only, transfer_times, variant_of)
 from gpt import GPT, GPTConfig  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
@@ -213,6 +213,20 @@ def test_zpp_options_read_json_or_python_values():
     assert args.zpp_option == {"hpz_quantized_copy": False, "cuda_graphs": True, "weight_block_size": 512}
 
 
+def test_a_variant_spec_adds_config_fields_to_its_variant(capsys):
+    args = parse_args(["--variants", "zero3,zero3_layers@bucket_size=67108864@prefetch=2"])
+    variants = all_variants(1, torch.bfloat16)
+    assert variant_of("zero3", variants) is variants["zero3"]
+    split = variant_of(args.variants.split(",")[1], variants)
+    assert split.name == "zero3_layers@bucket_size=67108864@prefetch=2"
+    assert split.zpp_options == {"compile_layers_once": True, "bucket_size": 67108864, "prefetch": 2}
+    for spec, message in (("zero3@bucket=1", "unknown config key 'bucket'"),
+                          ("fsdp2@bucket_size=1", "for zeropp's variants"), ("zero3@prefetch", "is not KEY=VALUE")):
+        with pytest.raises(SystemExit):
+            parse_args(["--variants", spec])
+        assert message in capsys.readouterr().err, spec
+
+
 def brute_force_exposed(kernels: list[tuple[str, int, int]]) -> int:
     """Unit time steps in which some NCCL kernel runs and no other kernel does."""
     end = max(e for _, _, e in kernels)
@@ -370,9 +384,12 @@ def test_a_stopped_launch_keeps_its_finished_rounds(tmp_path):
     assert kept["variants"][0]["vs_fsdp2_default"] > 0  # compared as a finished launch's table is
 
 
-def test_the_median_round_is_reported_with_every_round():
-    runs = [{"name": "all3", "ms_per_step": ms} for ms in (140.0, 120.0, 180.0)]
-    assert median_round(runs) == {"name": "all3", "ms_per_step": 140.0, "ms_per_step_rounds": [140.0, 120.0, 180.0]}
+def test_the_median_round_is_reported_with_every_round_and_the_first_rounds_compilation():
+    runs = [{"name": "all3", "ms_per_step": ms, "first_step_s": first, "warmup_s": first + 1}
+            for ms, first in ((140.0, 3.0), (120.0, 90.0), (180.0, 4.0))]
+    runs = [runs[1], runs[0], runs[2]]  # the first round compiles
+    assert median_round(runs) == {"name": "all3", "ms_per_step": 140.0, "first_step_s": 90.0, "warmup_s": 91.0,
+                                  "ms_per_step_rounds": [120.0, 140.0, 180.0]}
     # Of an even count, the slower of the two middle runs.
     assert median_round(runs[:2])["ms_per_step"] == 140.0
 
