@@ -208,6 +208,17 @@ def _option(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def variant_specs(text: str) -> list[str]:
+    """--variants split at its commas outside brackets (a value may be a dict or a list)."""
+    specs, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "{[(") - (char in "}])")
+        if char == "," and depth == 0:
+            specs.append(text[start:i])
+            start = i + 1
+    return [*specs, text[start:]]
+
+
 def variant_options(spec: str) -> dict[str, Any]:
     """The zeropp Config fields a variant spec `NAME@KEY=VALUE@...` adds to its variant."""
     return dict(_option(text) for text in spec.split("@")[1:])
@@ -257,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--png", help="write a bar chart here (rank 0; needs matplotlib)")
     args = p.parse_args(argv)
-    specs = args.variants.split(",") if args.variants else []
+    specs = variant_specs(args.variants) if args.variants else []
     unknown = sorted({spec.split("@")[0] for spec in specs} - set(VARIANT_NAMES))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
@@ -1022,7 +1033,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if peak:
             print(f"MFU against a peak of {peak:.0f} TFLOP/s per GPU ({setup['peak_tflops_source']})", flush=True)
 
-    names = args.variants.split(",")
+    names = variant_specs(args.variants)
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     launch_start = time.perf_counter()
     for index in range(args.rounds):

@@ -26,7 +26,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 from bench import (LLAMA_SHAPES, all_variants, breakdown_table, compute_time, default_variants,  # noqa: E402
                    exposed_and_peer_wait, exposed_communication, kernel_breakdown, llama, median_round, nccl_durations,
-                   parse_args, transfer_only, transfer_times, variant_of)
+                   parse_args, transfer_only, transfer_times, variant_of, variant_specs)
 from gpt import GPT, GPTConfig  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
@@ -214,10 +214,14 @@ def test_zpp_options_read_json_or_python_values():
 
 
 def test_a_variant_spec_adds_config_fields_to_its_variant(capsys):
-    args = parse_args(["--variants", "zero3,zero3_layers@bucket_size=67108864@prefetch=2"])
+    cats = '{"max_pointwise_cat_inputs":16,"max_complex_pointwise_cat_inputs":16}'
+    args = parse_args(["--variants",
+                       f"zero3,zero3_layers@bucket_size=67108864@prefetch=2,zero3@inductor_options={cats}"])
+    specs = variant_specs(args.variants)
+    assert specs == ["zero3", "zero3_layers@bucket_size=67108864@prefetch=2", f"zero3@inductor_options={cats}"]
     variants = all_variants(1, torch.bfloat16)
     assert variant_of("zero3", variants) is variants["zero3"]
-    split = variant_of(args.variants.split(",")[1], variants)
+    split = variant_of(specs[1], variants)
     assert split.name == "zero3_layers@bucket_size=67108864@prefetch=2"
     assert split.zpp_options == {"compile_layers_once": True, "bucket_size": 67108864, "prefetch": 2}
     for spec, message in (("zero3@bucket=1", "unknown config key 'bucket'"),
