@@ -79,6 +79,9 @@ variant alike.
                      the pace, and neither the host nor the link can win time back
     host ms/step     the time the host takes to issue a step; close to ms/step when the host,
                      not the GPU, sets the pace (--trace-dir keeps the traces to see where)
+    allocator retries (GPU, printed when not 0) how often the CUDA caching allocator freed its
+                     cache to retry an allocation during the timed steps, on the rank with most:
+                     each retry synchronizes the device, so the host waits on the GPU
     kernel ms/step   (GPU, a second table) rank 0's kernel time per step by kind: matrix products,
                      attention, zeropp's quantization kernels, Inductor's generated kernels, the
                      optimizer's, eager copies and casts, NCCL's, other (`KERNEL_KINDS`), so that
@@ -656,6 +659,13 @@ def rank_max(value: float, device: torch.device) -> float:
     return t.item()
 
 
+def alloc_retries(device: torch.device) -> int:
+    """How often the CUDA caching allocator has freed its cached blocks to retry an allocation:
+    each retry synchronizes the device, which stalls the host (a round whose host issues a step in
+    about the step's time, with the GPU idle between kernels)."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
 # ----------------------------------------------------------------------------- one variant
 
 TORCH_LINEAR = torch.nn.functional.linear  # what release_deepspeed puts back
@@ -719,7 +729,9 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     warmup_s, _ = timed(device, lambda: train(args.warmup - 1))
     warmup_s += first_step_s
     dist.barrier()
+    retries_before = alloc_retries(device)
     seconds, host_seconds = timed(device, lambda: train(args.steps))
+    retries = rank_max(alloc_retries(device) - retries_before, device) if device.type == "cuda" else None
     seconds = rank_max(seconds, device) / args.steps
     host_seconds = rank_max(host_seconds, device) / args.steps
     exposed = peer_wait = busy = breakdown = None
@@ -742,7 +754,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         "mfu": tflops / env["peak_tflops"] if env["peak_tflops"] else None,
         "peak_memory_bytes": peak, "allocated_at_start_bytes": leftover, "exposed_comm_fraction": exposed,
         "peer_wait_fraction": peer_wait, "gpu_busy_fraction": busy, "kernel_ms_per_step": breakdown,
-        "parameters": n_params,
+        "parameters": n_params, "alloc_retries_in_timed_steps": retries,
         **comm_bytes(variant, shard_numel, world, ranks_per_node),
     }
     if variant.system == "deepspeed":
@@ -1045,8 +1057,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(f"  {label:<24} {r['ms_per_step']:8.1f} ms/step "
                       f"(host issues a step in {r['host_ms_per_step']:.1f} ms) "
                       f"{r['tokens_per_s']:>10,.0f} tokens/s  (first step {r['first_step_s']:.1f} s, "
-                      f"warmup {r['warmup_s']:.1f} s; {time.perf_counter() - launch_start:.0f} s into the launch)",
-                      flush=True)
+                      f"warmup {r['warmup_s']:.1f} s; {time.perf_counter() - launch_start:.0f} s into the launch)"
+                      + (f", {r['alloc_retries_in_timed_steps']:.0f} allocator retries in the timed steps"
+                         if r["alloc_retries_in_timed_steps"] else ""), flush=True)
         if rank == 0 and args.json and index + 1 < args.rounds:  # a launch stopped later keeps its rounds
             write_json(args.json, {"setup": {**setup, "rounds_finished": index + 1},
                                    "variants": medians(rounds, names)})
