@@ -275,10 +275,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted({spec.split("@")[0] for spec in specs} - set(VARIANT_NAMES))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
+    systems = {name: variant.system for name, variant in all_variants(1, torch.bfloat16).items()}
     for spec in specs:
         try:
             options = variant_options(spec)
-            if options and not spec.startswith(("zero3", "qwz", "hpz", "qgz", "all3")):
+            if options and systems[spec.split("@")[0]] != "zeropp":
                 raise argparse.ArgumentTypeError("options after @ are zeropp Config fields, for zeropp's variants")
             zpp.Config(**options)
         except (argparse.ArgumentTypeError, zpp.ConfigError, TypeError) as error:
