@@ -15,7 +15,9 @@ scheduling and code generation, and the compilation of the generated code (C++ /
 
 Variants: `fsdp2` (`fully_shard` on every decoder layer and the root, then `torch.compile(model)`),
 `zero3` (zeropp, plain ZeRO-3), `zero3-layers` (the same with `Config.compile_layers_once`: each layer a graph
-of its own, compiled once for every identical layer), `all3` (zeropp with qwZ, hpZ and qgZ). `--profile DIR` writes a
+of its own, compiled once for every identical layer), `all3` (zeropp with qwZ, hpZ and qgZ); a zeropp variant
+named NAME@KEY=VALUE runs with that Config field on top (`zero3-layers@bucket_size=67108864`, each spec its own cold
+and warm launches, so two settings compare without one warming the other's process). `--profile DIR` writes a
 cProfile of rank 0's first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof` and the
 top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.
 """
@@ -28,6 +30,7 @@ import dataclasses
 import json
 import os
 import pstats
+import re
 import resource
 import shutil
 import statistics
@@ -42,13 +45,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from bench import LLAMA_SHAPES, LlamaShape, llama  # examples/bench.py (this script's folder)
-from zpp_compile import text_table
+from bench import LLAMA_SHAPES, LlamaShape, llama, variant_options  # examples/bench.py (this script's folder)
+from zpp_compile import ConfigError, text_table
 
 # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one.
 SHAPES = {"small": LlamaShape(1024, 128, 16, 4, 2, 352, True),
           "llama-1b": LLAMA_SHAPES["llama-1b"], "llama-3b": LLAMA_SHAPES["llama-3b"]}
 DEFAULT_LAYERS = {"small": [16, 28], "llama-1b": [16], "llama-3b": [28]}
+VARIANTS = ["fsdp2", "zero3", "zero3-layers", "all3"]
 
 # The table's phases, from compile_times() keys (the functions torch.compile times), each without
 # the phases nested in it, so that they add up to the first step's time with "rest" (the step's run,
@@ -64,8 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, help="override the shape's hidden size (intermediate = 2.75x)")
     p.add_argument("--heads", type=int, help="override the shape's attention heads (KV heads at most as many)")
     p.add_argument("--vocab", type=int, help="override the shape's vocabulary size")
-    p.add_argument("--variants", nargs="+", choices=["fsdp2", "zero3", "zero3-layers", "all3"],
-                   default=["fsdp2", "zero3"])
+    p.add_argument("--variants", nargs="+", default=["fsdp2", "zero3"],
+                   help=f"of {VARIANTS}; a zeropp one as NAME@KEY=VALUE[@KEY=VALUE] with Config fields on top, "
+                        "e.g. 'zero3-layers@inductor_options={\"combo_kernels\": true}'")
     p.add_argument("--launches", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
                    help="launches per variant and depth, in this order on one cache directory")
     p.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU on CUDA)")
@@ -83,7 +88,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--launch", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for spec in args.variants:
+        name = spec.split("@")[0]
+        if name not in VARIANTS:
+            p.error(f"--variants {spec}: {name!r} is not one of {VARIANTS}")
+        try:
+            options = variant_options(spec)
+            if options and name == "fsdp2":
+                raise argparse.ArgumentTypeError("options after @ are zeropp Config fields, for zeropp's variants")
+            zpp_config(spec, world=1, compute=None)
+        except (argparse.ArgumentTypeError, ConfigError, TypeError) as error:
+            p.error(f"--variants {spec}: {error}")
+    return args
 
 
 # ----------------------------------------------------------------------------- one launch
@@ -118,14 +135,22 @@ def prepare(args: argparse.Namespace, model: nn.Module, device: torch.device) ->
         return torch.compile(model)
     import zpp_compile as zpp
 
-    options = {"param_dtype": compute, "ranks_per_node": world, "compile_layers_once": args.variant == "zero3-layers"}
-    if args.variant == "all3":
+    zpp.shard(model, zpp_config(args.variant, world, compute))
+    return torch.compile(model, backend="zeropp")
+
+
+def zpp_config(spec: str, world: int, compute: torch.dtype | None) -> Any:
+    """The zeropp Config of a variant spec (`zero3`, `zero3-layers`, `all3`, each with @KEY=VALUE fields)."""
+    import zpp_compile as zpp
+
+    name = spec.split("@")[0]
+    options = {"param_dtype": compute, "ranks_per_node": world, "compile_layers_once": name == "zero3-layers"}
+    if name == "all3":
         # Two emulated nodes where there are two ranks or more, so each technique has a link to act on.
         per_node = max(world // 2, 1)
         options.update(quantized_weights=True, hpz_partition_size=per_node, quantized_gradients=True,
                        ranks_per_node=per_node)
-    zpp.shard(model, zpp.Config(**options))
-    return torch.compile(model, backend="zeropp")
+    return zpp.Config(**{**options, **variant_options(spec)})
 
 
 def compile_seconds() -> dict[str, float]:
@@ -192,7 +217,7 @@ def worker(args: argparse.Namespace) -> None:
                   "compile_times": compile_seconds(), "caches": cache_counts()}
         Path(args.out).write_text(json.dumps(result))
         if profiler:
-            write_profile(profiler, Path(args.profile) / f"{args.variant}-{layers}-{args.launch}")
+            write_profile(profiler, Path(args.profile) / f"{file_name(args.variant)}-{layers}-{args.launch}")
     dist.destroy_process_group()
 
 
@@ -241,6 +266,11 @@ def phases(first_step_s: float, times: dict[str, float]) -> dict[str, float]:
     }
     out["rest"] = first_step_s - sum(out.values())
     return {**out, **{f"pass {name}": seconds for name, seconds in passes.items()}}
+
+
+def file_name(variant: str) -> str:
+    """A variant spec as a file name's part (its options' brackets and quotes replaced)."""
+    return re.sub(r"[^\w.=@-]+", "_", variant)
 
 
 def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache: Path) -> dict:
@@ -298,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for layers in args.layers or DEFAULT_LAYERS[args.shape]:
         for variant in args.variants:
-            cache = Path(tempfile.mkdtemp(prefix=f"zpp-probe-{variant}-{layers}-"))
+            cache = Path(tempfile.mkdtemp(prefix=f"zpp-probe-{file_name(variant)}-{layers}-"))
             try:
                 for name in args.launches:
                     results.append(launch(args, variant, layers, name, cache))

@@ -1,0 +1,34 @@
+"""examples/compile_probe.py's variant specs (the launches themselves run on GPUs, or slowly on CPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from compile_probe import file_name, parse_args, zpp_config  # noqa: E402
+
+
+def test_a_variant_spec_adds_config_fields_and_names_its_files():
+    spec = 'zero3-layers@inductor_options={"combo_kernels": true}@bucket_size=1024'
+    args = parse_args(["--variants", "fsdp2", "all3", spec])
+    assert args.variants == ["fsdp2", "all3", spec]
+    config = zpp_config(spec, world=2, compute=torch.bfloat16)
+    assert config.compile_layers_once and config.bucket_size == 1024
+    assert dict(config.inductor_options) == {"combo_kernels": True} and config.param_dtype == torch.bfloat16
+    all3 = zpp_config("all3", world=4, compute=None)
+    assert (all3.quantized_weights, all3.hpz_partition_size, all3.ranks_per_node) == (True, 2, 2)
+    assert file_name(spec) == "zero3-layers@inductor_options=_combo_kernels_true_@bucket_size=1024"
+
+
+@pytest.mark.parametrize("spec, message", [("zero4", "'zero4' is not one of"),
+                                           ("fsdp2@bucket_size=1", "for zeropp's variants"),
+                                           ("zero3@bucket=1", "unknown config key 'bucket'")])
+def test_a_wrong_variant_spec_is_a_clear_error(spec, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", spec])
+    assert message in capsys.readouterr().err
