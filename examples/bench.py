@@ -228,6 +228,21 @@ def variant_options(spec: str) -> dict[str, Any]:
     return dict(_option(text) for text in spec.split("@")[1:])
 
 
+def variant_spec_error(spec: str, systems: dict[str, str]) -> str | None:
+    """What is wrong with a variant spec, given each variant's system by name; None if nothing."""
+    name = spec.split("@")[0]
+    if name not in systems:
+        return f"{name!r} is not one of {list(systems)}"
+    try:
+        options = variant_options(spec)
+        if options and systems[name] != "zeropp":
+            return "options after @ are zeropp Config fields, for zeropp's variants"
+        zpp.Config(**options)
+    except (argparse.ArgumentTypeError, zpp.ConfigError, TypeError) as error:
+        return str(error)
+    return None
+
+
 def variant_of(spec: str, variants: dict[str, Variant]) -> Variant:
     """The variant a spec names, with the spec's Config fields (under the spec as its name)."""
     variant = variants[spec.split("@")[0]]
@@ -273,17 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png", help="write a bar chart here (rank 0; needs matplotlib)")
     args = p.parse_args(argv)
     specs = variant_specs(args.variants) if args.variants else []
-    unknown = sorted({spec.split("@")[0] for spec in specs} - set(VARIANT_NAMES))
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANT_NAMES)}")
     systems = {name: variant.system for name, variant in all_variants(1, torch.bfloat16).items()}
     for spec in specs:
-        try:
-            options = variant_options(spec)
-            if options and systems[spec.split("@")[0]] != "zeropp":
-                raise argparse.ArgumentTypeError("options after @ are zeropp Config fields, for zeropp's variants")
-            zpp.Config(**options)
-        except (argparse.ArgumentTypeError, zpp.ConfigError, TypeError) as error:
+        if (error := variant_spec_error(spec, systems)) is not None:
             p.error(f"--variants {spec}: {error}")
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: give 1 or more")

@@ -45,14 +45,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from bench import LLAMA_SHAPES, LlamaShape, llama, variant_options  # examples/bench.py (this script's folder)
-from zpp_compile import ConfigError, text_table
+from bench import (LLAMA_SHAPES, LlamaShape, llama, variant_options,  # examples/bench.py (this script's folder)
+                   variant_spec_error)
+from zpp_compile import text_table
 
 # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one.
 SHAPES = {"small": LlamaShape(1024, 128, 16, 4, 2, 352, True),
           "llama-1b": LLAMA_SHAPES["llama-1b"], "llama-3b": LLAMA_SHAPES["llama-3b"]}
 DEFAULT_LAYERS = {"small": [16, 28], "llama-1b": [16], "llama-3b": [28]}
-VARIANTS = ["fsdp2", "zero3", "zero3-layers", "all3"]
+VARIANTS = {"fsdp2": "fsdp2", "zero3": "zeropp", "zero3-layers": "zeropp", "all3": "zeropp"}  # name: system
 
 # The table's phases, from compile_times() keys (the functions torch.compile times), each without
 # the phases nested in it, so that they add up to the first step's time with "rest" (the step's run,
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, help="override the shape's attention heads (KV heads at most as many)")
     p.add_argument("--vocab", type=int, help="override the shape's vocabulary size")
     p.add_argument("--variants", nargs="+", default=["fsdp2", "zero3"],
-                   help=f"of {VARIANTS}; a zeropp one as NAME@KEY=VALUE[@KEY=VALUE] with Config fields on top, "
+                   help=f"of {list(VARIANTS)}; a zeropp one as NAME@KEY=VALUE[@KEY=VALUE] with Config fields on top, "
                         "e.g. 'zero3-layers@inductor_options={\"combo_kernels\": true}'")
     p.add_argument("--launches", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
                    help="launches per variant and depth, in this order on one cache directory")
@@ -90,15 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for spec in args.variants:
-        name = spec.split("@")[0]
-        if name not in VARIANTS:
-            p.error(f"--variants {spec}: {name!r} is not one of {VARIANTS}")
-        try:
-            options = variant_options(spec)
-            if options and name == "fsdp2":
-                raise argparse.ArgumentTypeError("options after @ are zeropp Config fields, for zeropp's variants")
-            zpp_config(spec, world=1, compute=None)
-        except (argparse.ArgumentTypeError, ConfigError, TypeError) as error:
+        if (error := variant_spec_error(spec, VARIANTS)) is not None:
             p.error(f"--variants {spec}: {error}")
     return args
 
