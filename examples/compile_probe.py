@@ -286,7 +286,9 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
     command += ["--vocab", str(args.vocab)] if args.vocab else []
     command += ["--profile", args.profile] if args.profile else []
     start = time.perf_counter()
-    subprocess.run(command, env=env, check=True)
+    returncode = subprocess.run(command, env=env).returncode
+    if returncode != 0:  # the worker's traceback is above; the launches of other variants still run
+        return {"variant": variant, "layers": layers, "launch": name, "failed": f"exit status {returncode}"}
     result = json.loads(out.read_text())
     result["launch_s"] = time.perf_counter() - start
     return result
@@ -296,6 +298,9 @@ def table(results: list[dict]) -> str:
     headers = ("variant", "layers", "launch", "first step s", "cpu s", "ms/step", "peak GiB", "MFU", *COLUMNS)
     rows = []
     for r in results:
+        if "failed" in r:
+            rows.append((r["variant"], r["layers"], r["launch"], f"failed ({r['failed']})", *("" for _ in headers[4:])))
+            continue
         p = phases(r["first_step_s"], r["compile_times"])
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
@@ -303,11 +308,13 @@ def table(results: list[dict]) -> str:
                      f"{r['ms_per_step']:.1f}", peak, mfu, *(f"{p[c]:.1f}" for c in COLUMNS)))
     lines = [text_table.render(headers, rows, align="<><" + ">" * (5 + len(COLUMNS)))]
     for r in results:
-        p = phases(r["first_step_s"], r["compile_times"])
+        p = phases(r["first_step_s"], r["compile_times"]) if "failed" not in r else {}
         if any(k.startswith("pass ") for k in p):
             lines.append(f"  zeropp passes, {r['variant']} {r['layers']} layers {r['launch']}: "
                          + ", ".join(f"{k[5:]} {v:.2f} s" for k, v in p.items() if k.startswith("pass ")))
     for r in results:
+        if "failed" in r:
+            continue
         caches = ", ".join(f"{name} {count}" for name, count in sorted(r.get("caches", {}).items()))
         lines.append(f"  caches, {r['variant']} {r['layers']} layers {r['launch']}: {caches or 'none used'}")
     return "\n".join(lines)
@@ -326,6 +333,10 @@ def main(argv: list[str] | None = None) -> None:
                 for name in args.launches:
                     results.append(launch(args, variant, layers, name, cache))
                     print(table(results[-1:]), flush=True)
+                    if args.json:  # after every launch, so that a later one failing or hanging loses nothing
+                        Path(args.json).write_text(json.dumps(results, indent=1))
+                    if "failed" in results[-1]:
+                        break  # a warm launch needs what the cold one would have cached
             finally:
                 if args.keep_cache:
                     print(f"cache kept: {cache}")
@@ -333,8 +344,9 @@ def main(argv: list[str] | None = None) -> None:
                     shutil.rmtree(cache, ignore_errors=True)
     print()
     print(table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    failed = [f"{r['variant']} ({r['layers']} layers, {r['launch']})" for r in results if "failed" in r]
+    if failed:
+        sys.exit(f"compile_probe: these launches failed (their tracebacks are above): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

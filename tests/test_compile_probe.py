@@ -1,7 +1,9 @@
-"""examples/compile_probe.py's variant specs (the launches themselves run on GPUs, or slowly on CPU)."""
+"""examples/compile_probe.py's variant specs and its handling of a failed launch (the launches themselves
+run on GPUs, or slowly on CPU)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import compile_probe  # noqa: E402
 from compile_probe import file_name, parse_args, zpp_config  # noqa: E402
 
 
@@ -32,3 +35,24 @@ def test_a_wrong_variant_spec_is_a_clear_error(spec, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--variants", spec])
     assert message in capsys.readouterr().err
+
+
+def test_a_failed_launch_is_recorded_and_the_other_variants_still_run(monkeypatch, tmp_path, capsys):
+    launched = []
+
+    def launch(args, variant, layers, name, cache):
+        launched.append((variant, name))
+        if variant == "zero3":
+            return {"variant": variant, "layers": layers, "launch": name, "failed": "exit status 1"}
+        return {"variant": variant, "layers": layers, "launch": name, "first_step_s": 2.0, "first_step_cpu_s": 2.0,
+                "ms_per_step": 10.0, "peak_gib": None, "mfu": None, "compile_times": {}, "caches": {}}
+
+    monkeypatch.setattr(compile_probe, "launch", launch)
+    out = tmp_path / "probe.json"
+    with pytest.raises(SystemExit, match=r"failed.*zero3 \(2 layers, cold\)"):
+        compile_probe.main(["--variants", "zero3", "fsdp2", "--layers", "2", "--json", str(out)])
+    # The failed variant's warm launch is skipped (nothing was cached); the next variant runs both.
+    assert launched == [("zero3", "cold"), ("fsdp2", "cold"), ("fsdp2", "warm")]
+    saved = json.loads(out.read_text())
+    assert [r.get("failed") for r in saved] == ["exit status 1", None, None]
+    assert "failed (exit status 1)" in capsys.readouterr().out
