@@ -223,6 +223,11 @@ def variant_specs(text: str) -> list[str]:
     return [*specs, text[start:]]
 
 
+def variant_name(spec: str) -> str:
+    """The variant a spec `NAME@KEY=VALUE@...` names."""
+    return spec.split("@")[0]
+
+
 def variant_options(spec: str) -> dict[str, Any]:
     """The zeropp Config fields a variant spec `NAME@KEY=VALUE@...` adds to its variant."""
     return dict(_option(text) for text in spec.split("@")[1:])
@@ -230,7 +235,7 @@ def variant_options(spec: str) -> dict[str, Any]:
 
 def variant_spec_error(spec: str, systems: dict[str, str]) -> str | None:
     """What is wrong with a variant spec, given each variant's system by name; None if nothing."""
-    name = spec.split("@")[0]
+    name = variant_name(spec)
     if name not in systems:
         return f"{name!r} is not one of {list(systems)}"
     try:
@@ -245,7 +250,7 @@ def variant_spec_error(spec: str, systems: dict[str, str]) -> str | None:
 
 def variant_of(spec: str, variants: dict[str, Variant]) -> Variant:
     """The variant a spec names, with the spec's Config fields (under the spec as its name)."""
-    variant = variants[spec.split("@")[0]]
+    variant = variants[variant_name(spec)]
     options = variant_options(spec)
     if not options:
         return variant

@@ -68,7 +68,7 @@ def grad_rows(grads: list[torch.Tensor], cat=torch.cat) -> torch.Tensor:
 
 
 def grad_rows_grouped(grads: list[torch.Tensor]) -> torch.Tensor:
-    return grad_rows(grads, lambda parts, dim: grouped_cat(parts, dim))
+    return grad_rows(grads, grouped_cat)
 
 
 def median_ms(fn, *args) -> float:

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from bench import (LLAMA_SHAPES, LlamaShape, llama, variant_options,  # examples/bench.py (this script's folder)
-                   variant_spec_error)
+from bench import (LLAMA_SHAPES, LlamaShape, llama, variant_name,  # examples/bench.py (this script's folder)
+                   variant_options, variant_spec_error)
 from zpp_compile import text_table
 
 # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one.
@@ -136,7 +136,7 @@ def zpp_config(spec: str, world: int, compute: torch.dtype | None) -> Any:
     """The zeropp Config of a variant spec (`zero3`, `zero3-layers`, `all3`, each with @KEY=VALUE fields)."""
     import zpp_compile as zpp
 
-    name = spec.split("@")[0]
+    name = variant_name(spec)
     options = {"param_dtype": compute, "ranks_per_node": world, "compile_layers_once": name == "zero3-layers"}
     if name == "all3":
         # Two emulated nodes where there are two ranks or more, so each technique has a link to act on.
@@ -307,14 +307,13 @@ def table(results: list[dict]) -> str:
         rows.append((r["variant"], r["layers"], r["launch"], f"{r['first_step_s']:.1f}", f"{r['first_step_cpu_s']:.1f}",
                      f"{r['ms_per_step']:.1f}", peak, mfu, *(f"{p[c]:.1f}" for c in COLUMNS)))
     lines = [text_table.render(headers, rows, align="<><" + ">" * (5 + len(COLUMNS)))]
-    for r in results:
-        p = phases(r["first_step_s"], r["compile_times"]) if "failed" not in r else {}
+    finished = [r for r in results if "failed" not in r]
+    for r in finished:
+        p = phases(r["first_step_s"], r["compile_times"])
         if any(k.startswith("pass ") for k in p):
             lines.append(f"  zeropp passes, {r['variant']} {r['layers']} layers {r['launch']}: "
                          + ", ".join(f"{k[5:]} {v:.2f} s" for k, v in p.items() if k.startswith("pass ")))
-    for r in results:
-        if "failed" in r:
-            continue
+    for r in finished:
         caches = ", ".join(f"{name} {count}" for name, count in sorted(r.get("caches", {}).items()))
         lines.append(f"  caches, {r['variant']} {r['layers']} layers {r['launch']}: {caches or 'none used'}")
     return "\n".join(lines)
