@@ -11,7 +11,9 @@ concatenation of at most `max_pointwise_cat_inputs` inputs (8 by default) as one
 masked loads, a longer one as a kernel per input and the cast as one more. A Llama layer's bucket
 has 9 members. This measures the three copies for a Llama-3.2-3B layer over 2 ranks with
 Inductor's defaults, with that cap at 16 (for inputs of simple computation only, and for all),
-and with the join and gradient rows written as concatenations of at most 8 concatenations.
+with the join and gradient rows written as concatenations of at most 8 concatenations, and as
+zeropp lowers them under Inductor (`buckets.side_by_side`: the pieces placed side by side in one
+elementwise expression).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch._inductor import metrics
 
-from zpp_compile.runtime.buckets import join_shards, split_rows
+from zpp_compile.runtime.buckets import join_shards, side_by_side, split_rows
 
 WORLD = 2
 DIM, KV_DIM, FFN_DIM = 3072, 1024, 8192  # Llama-3.2-3B
@@ -58,6 +60,10 @@ def join_grouped(shards: list[torch.Tensor]) -> torch.Tensor:
     return grouped_cat([F.pad(s, (0, g - s.numel())) for s, g in zip(shards, SEGMENTS)]).to(torch.bfloat16)
 
 
+def join_side_by_side(shards: list[torch.Tensor]) -> torch.Tensor:
+    return side_by_side(shards, SEGMENTS).to(torch.bfloat16)
+
+
 def split(rows: torch.Tensor) -> torch.Tensor:
     return split_rows(rows, SEGMENTS, SIZES)
 
@@ -69,6 +75,11 @@ def grad_rows(grads: list[torch.Tensor], cat=torch.cat) -> torch.Tensor:
 
 def grad_rows_grouped(grads: list[torch.Tensor]) -> torch.Tensor:
     return grad_rows(grads, grouped_cat)
+
+
+def grad_rows_side_by_side(grads: list[torch.Tensor]) -> torch.Tensor:
+    pieces = [g.view(WORLD, s) for g, s in zip(grads, SIZES)]
+    return side_by_side(pieces, SEGMENTS).reshape(-1).to(torch.float32)
 
 
 def median_ms(fn, *args) -> float:
@@ -93,12 +104,14 @@ def main() -> None:
     shards = [torch.randn(s, device=device) for s in SIZES]
     rows = torch.randn(WORLD, sum(SEGMENTS), device=device, dtype=torch.bfloat16)
     grads = [torch.randn(WORLD * s, device=device, dtype=torch.bfloat16) for s in SIZES]
-    cases = {"join": (join, (shards,)), "join_grouped": (join_grouped, (shards,)), "split": (split, (rows,)),
-             "grad_rows": (grad_rows, (grads,)), "grad_rows_grouped": (grad_rows_grouped, (grads,))}
+    cases = {"join": (join, (shards,)), "join_grouped": (join_grouped, (shards,)),
+             "join_side_by_side": (join_side_by_side, (shards,)), "split": (split, (rows,)),
+             "grad_rows": (grad_rows, (grads,)), "grad_rows_grouped": (grad_rows_grouped, (grads,)),
+             "grad_rows_side_by_side": (grad_rows_side_by_side, (grads,))}
     results = {}
     for setting, patch in SETTINGS.items():
         for name, (fn, args) in cases.items():
-            if setting != "default" and name.endswith("grouped"):
+            if setting != "default" and name.endswith(("grouped", "side_by_side")):
                 continue
             torch._dynamo.reset()
             with inductor_config.patch(patch):

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..runtime.buckets import member_starts
+from ..runtime.buckets import member_starts, side_by_side
 from ..runtime.ops import gather_param_args, reduce_grad_args
 from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext, gradient_block_size, weight_block_size
 from .fx_util import gathered_param, hoist, insert_traced, nodes_calling, sink_users
@@ -48,7 +48,7 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
         _merge_gathers(graph, bucket)
     reductions = nodes_calling(graph, torch.ops.zpp.reduce_grad.default)
     for bucket in _buckets(reductions, size, lambda n: _reduce_key(n, ctx.config), layer_of_node):
-        _merge_reductions(graph, bucket)
+        _merge_reductions(graph, bucket, one_pass=ctx.config.inductor)
 
 
 def _gather_key(node: fx.Node, config: Any) -> tuple | None:
@@ -143,7 +143,7 @@ def _gather_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], group_size
     return tuple(weights[start:start + group_size * size] for start, size in zip(starts, sizes))
 
 
-def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:
+def _merge_reductions(graph: fx.Graph, bucket: _Bucket, one_pass: bool) -> None:
     *_, block = bucket.key
     last = bucket.members[-1]
     reductions = [reduce_grad_args(n) for n in bucket.members]
@@ -154,18 +154,23 @@ def _merge_reductions(graph: fx.Graph, bucket: _Bucket) -> None:
     # Uses of the earlier members' results move past the bucket, which comes after every gradient.
     sink_users(bucket.members[:-1], last)
     shards = insert_traced(graph, last, _reduce_bucket, sizes, segments, shard_numels, group_size, group_name, dtype,
-                           *(r.grad for r in reductions))
+                           one_pass, *(r.grad for r in reductions))
     _upstream(shards[0], torch.ops.zpp.reduce_grad.default).meta[FULL_PRECISION] = not block
     _replace(graph, bucket.members, shards)
 
 
 def _reduce_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], shard_numels: tuple[int, ...], group_size: int,
-                   group_name: str, dtype: torch.dtype, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                   group_name: str, dtype: torch.dtype, one_pass: bool,
+                   *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """One reduction of the gradients laid side by side per destination rank; every member's
-    shard cut out of this rank's reduced row."""
-    rows = torch.cat(
-        [F.pad(g.view(group_size, size), (0, seg - size)) for g, size, seg in zip(grads, sizes, segments)], dim=1
-    )
+    shard cut out of this rank's reduced row. Under Inductor (`one_pass`) the rows are one
+    elementwise expression (`buckets.side_by_side`), which it generates as one kernel with the
+    cast to the reduction's dtype; in debug mode a concatenation, which allocates only the rows."""
+    pieces = [g.view(group_size, size) for g, size in zip(grads, sizes)]
+    if one_pass:
+        rows = side_by_side(pieces, list(segments))
+    else:
+        rows = torch.cat([F.pad(piece, (0, seg - piece.shape[1])) for piece, seg in zip(pieces, segments)], dim=1)
     shards = torch.ops.zpp.reduce_grad(rows.reshape(-1), sum(segments), group_size, group_name, dtype)
     return tuple(piece[:numel] for piece, numel in zip(shards.split(segments), shard_numels))
 

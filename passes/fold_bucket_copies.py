@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..runtime.buckets import join_shards
+from ..runtime.buckets import join_shards, side_by_side
 from ..runtime.ops import (dequantize_weight_args, join_bucket_args, quantize_weight_args, split_bucket_args,
                            split_bucket_reference)
 from .base import PassContext
@@ -21,15 +21,18 @@ def fold_bucket_copies(graph: fx.Graph, ctx: PassContext) -> None:
     values' only use -> one zpp.dequantize_bucket, which writes every member's weight where the
     split would have copied it: one pass over the weights instead of two, and no rank-major
     buffer. Any other join or split (a full-precision bucket, or dequantized values that hpZ
-    keeps as its copy) -> its torch ops (pads, slices and concatenations), for Inductor to generate.
+    keeps as its copy) -> its torch ops, for Inductor to generate: a split's slices and
+    concatenation, a join's shards placed side by side in one elementwise expression
+    (`buckets.side_by_side`: one kernel with the cast that follows; in debug mode, without
+    Inductor, the concatenation that allocates only the result).
     """
     for node in nodes_calling(graph, torch.ops.zpp.join_bucket.default):
-        _lower_join(graph, node)
+        _lower_join(graph, node, one_pass=ctx.config.inductor)
     for node in nodes_calling(graph, torch.ops.zpp.split_bucket.default):
         _lower_split(graph, node)
 
 
-def _lower_join(graph: fx.Graph, node: fx.Node) -> None:
+def _lower_join(graph: fx.Graph, node: fx.Node, one_pass: bool) -> None:
     join = join_bucket_args(node)
     users = list(node.users)
     if len(users) == 1 and users[0].target is torch.ops.zpp.quantize_weight.default:
@@ -37,7 +40,7 @@ def _lower_join(graph: fx.Graph, node: fx.Node) -> None:
         replace_with_traced(graph, users[0], _quantize_bucket, tuple(join.segments), block_size, *join.shards)
         graph.erase_node(node)
     else:
-        replace_with_traced(graph, node, _join, tuple(join.segments), *join.shards)
+        replace_with_traced(graph, node, _join_in_one_pass if one_pass else _join, tuple(join.segments), *join.shards)
 
 
 def _lower_split(graph: fx.Graph, node: fx.Node) -> None:
@@ -59,3 +62,7 @@ def _quantize_bucket(segments: tuple[int, ...], block_size: int, *shards: torch.
 
 def _join(segments: tuple[int, ...], *shards: torch.Tensor) -> torch.Tensor:
     return join_shards(list(shards), list(segments))
+
+
+def _join_in_one_pass(segments: tuple[int, ...], *shards: torch.Tensor) -> torch.Tensor:
+    return side_by_side(list(shards), list(segments))

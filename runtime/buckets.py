@@ -44,3 +44,20 @@ def split_rows(rows: torch.Tensor, segments: list[int], sizes: list[int]) -> tor
 def join_shards(shards: list[torch.Tensor], segments: list[int]) -> torch.Tensor:
     """A rank's shards side by side, each padded with zeros to its segment."""
     return torch.cat([F.pad(shard, (0, segment - shard.numel())) for shard, segment in zip(shards, segments)])
+
+
+def side_by_side(pieces: list[torch.Tensor], segments: list[int]) -> torch.Tensor:
+    """`pieces` side by side along their last dimension, each padded with zeros to its segment,
+    as one elementwise expression: each column takes its piece's value (a load masked to that
+    piece's columns). Inductor generates it as one kernel for any number of pieces, where a
+    concatenation of more than 8 becomes a copy per piece into a buffer (and a cast of it, a
+    second pass). For compiled graphs only: run eagerly, every piece is padded to the full width."""
+    total = sum(segments)
+    column = torch.arange(total, device=pieces[0].device)
+    out, end = None, total
+    for piece, segment in reversed(list(zip(pieces, segments))):
+        start = end - segment
+        placed = F.pad(piece, (start, total - start - piece.shape[-1]))
+        out = placed if out is None else torch.where(column < end, placed, out)
+        end = start
+    return out

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._inductor import metrics
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import zpp_compile as zpp
@@ -21,6 +22,7 @@ from zpp_compile.passes import PASSES, PassContext, fx_util, schedule_overlap
 from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
 from zpp_compile.ledger import PHASES, collectives_by_node, phase_of
+from zpp_compile.runtime.buckets import side_by_side
 from zpp_compile.runtime.collectives import ALL_GATHERS
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.sharding import _layers
@@ -177,12 +179,33 @@ def test_the_copy_in_is_folded_into_the_quantization():
     assert torch.equal(module(*shards), expected)
     targets = [n.target for n in module.graph.nodes if n.op == "call_function"]
     assert targets == [torch.ops.zpp.quantize_bucket.default]
-    # The joined shards used elsewhere too: the join becomes plain copies.
+    # The joined shards used elsewhere too: the join becomes the shards placed side by side.
     module, expected = lowered(also_return_joined=True)
     assert all(torch.equal(a, b) for a, b in zip(module(*shards), expected))
     targets = {n.target for n in module.graph.nodes if n.op == "call_function"}
-    assert torch.ops.zpp.quantize_weight.default in targets and torch.ops.aten.cat.default in targets
+    assert torch.ops.zpp.quantize_weight.default in targets and torch.ops.aten.where.self in targets
     assert not targets & {torch.ops.zpp.quantize_bucket.default, torch.ops.zpp.join_bucket.default}
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_full_precision_join_is_one_kernel_with_its_cast_and_changes_no_bit(rows):
+    # A Llama layer's bucket has 9 members: past 8, Inductor lowers a concatenation as a copy
+    # per member into a buffer (and a second pass to cast it); placed side by side, it is one kernel.
+    sizes = [3, 100, 25, 25, 100, 3, 250, 250, 250]
+    segments = [-(-size // 16) * 16 + 16 * (i % 2) for i, size in enumerate(sizes)]
+    pieces = [torch.randn(rows, size) for size in sizes]
+    pieces[1][0, 0] = -0.0  # a zero's sign survives too
+
+    def placed(*pieces):
+        return side_by_side(list(pieces), segments).to(torch.bfloat16)
+
+    expected = torch.cat([F.pad(p, (0, seg - p.shape[1])) for p, seg in zip(pieces, segments)], dim=1)
+    torch._dynamo.reset()
+    metrics.reset()
+    out = torch.compile(placed, backend="inductor", fullgraph=True)(*pieces)
+    assert metrics.generated_kernel_count == 1
+    assert torch.equal(out.view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(side_by_side(pieces, segments), expected)  # eagerly too
 
 
 def test_the_copy_out_is_folded_into_the_dequantization():
