@@ -1,25 +1,29 @@
 """Where the first training step's time goes at model depth: zeropp against FSDP2 + torch.compile.
 
-Builds HuggingFace transformers' `LlamaForCausalLM` from a config (Llama-3.2's layout: grouped
-query attention, SDPA, tied embeddings; any width and depth), and for every variant and depth
-launches `torchrun` twice on one fresh Inductor cache directory: cold (empty caches) and warm (a
-new process, the same caches, as a restarted job). Each launch reports the first step's seconds
-(forward, backward and optimizer step, compilation included), ms per step after it, peak GPU
-memory, and where compilation went, from `torch._dynamo.utils.compile_times()`: Dynamo's
-tracing, AOTAutograd's joint graph, the partitioner, zeropp's passes, Inductor's lowering,
-scheduling and code generation, and the compilation of the generated code (C++ / Triton).
+Builds HuggingFace transformers' `LlamaForCausalLM` from a config (Llama-3.2's layout: grouped query
+attention, SDPA, tied embeddings; any width and depth), and for every variant and depth launches
+`torchrun` twice on its own fresh Inductor cache directory: cold (empty caches) and warm (a new
+process, the same caches, as a restarted job). The variants take turns, launch by launch (every
+variant's cold launch, then every variant's warm one), so a host whose speed drifts slows them
+alike; `--launches cold warm warm warm` repeats the warm launch and prints the medians. Each launch
+reports the first step's seconds (forward, backward and optimizer step, compilation included), ms
+per step after it, peak GPU memory, and where compilation went, from
+`torch._dynamo.utils.compile_times()`: Dynamo's tracing, AOTAutograd's joint graph, the partitioner,
+zeropp's passes, Inductor's lowering, scheduling and code generation, and the compilation of the
+generated code (C++ / Triton).
 
     python examples/compile_probe.py                                  # CPU, 2 gloo ranks, 16 and 28 layers
     python examples/compile_probe.py --shape llama-1b --nproc 1 --seq 2048 --batch 2 --dtype bf16   # one GPU
     python examples/compile_probe.py --shape llama-3b --nproc 1 --seq 2048 --batch 2 --dtype bf16
 
 Variants: `fsdp2` (`fully_shard` on every decoder layer and the root, then `torch.compile(model)`),
-`zero3` (zeropp, plain ZeRO-3), `zero3-layers` (the same with `Config.compile_layers_once`: each layer a graph
-of its own, compiled once for every identical layer), `all3` (zeropp with qwZ, hpZ and qgZ); a zeropp variant
-named NAME@KEY=VALUE runs with that Config field on top (`zero3-layers@bucket_size=67108864`, each spec its own cold
-and warm launches, so two settings compare without one warming the other's process). `--profile DIR` writes a
-cProfile of rank 0's first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof` and the
-top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.
+`zero3` (zeropp, plain ZeRO-3), `zero3-layers` (the same with `Config.compile_layers_once`: each
+layer a graph of its own, compiled once for every identical layer), `all3` (zeropp with qwZ, hpZ and
+qgZ); a zeropp variant named NAME@KEY=VALUE runs with that Config field on top
+(`zero3-layers@bucket_size=67108864`, each spec its own cold and warm launches, so two settings
+compare without one warming the other's process). `--profile DIR` writes a cProfile of rank 0's
+first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof`, a repeated warm launch `-warm-N`,
+and the top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"of {list(VARIANTS)}; a zeropp one as NAME@KEY=VALUE[@KEY=VALUE] with Config fields on top, "
                         "e.g. 'zero3-layers@inductor_options={\"combo_kernels\": true}'")
     p.add_argument("--launches", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
-                   help="launches per variant and depth, in this order on one cache directory")
+                   help="launches per variant and depth, in this order on the variant's cache directory "
+                        "(`cold warm warm warm`: three warm launches; cold only first)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU on CUDA)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
@@ -88,8 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--launch", help=argparse.SUPPRESS)
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if "cold" in args.launches[1:]:
+        p.error("--launches: 'cold' can only be the first launch (later ones find the caches filled)")
     for spec in args.variants:
         if (error := variant_spec_error(spec, VARIANTS)) is not None:
             p.error(f"--variants {spec}: {error}")
@@ -210,7 +218,8 @@ def worker(args: argparse.Namespace) -> None:
                   "compile_times": compile_seconds(), "caches": cache_counts()}
         Path(args.out).write_text(json.dumps(result))
         if profiler:
-            write_profile(profiler, Path(args.profile) / f"{file_name(args.variant)}-{layers}-{args.launch}")
+            again = f"-{args.round}" if args.round > 1 else ""  # the second warm launch on, by round
+            write_profile(profiler, Path(args.profile) / f"{file_name(args.variant)}-{layers}-{args.launch}{again}")
     dist.destroy_process_group()
 
 
@@ -266,7 +275,7 @@ def file_name(variant: str) -> str:
     return re.sub(r"[^\w.=@-]+", "_", variant)
 
 
-def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache: Path) -> dict:
+def launch(args: argparse.Namespace, variant: str, layers: int, name: str, round_index: int, cache: Path) -> dict:
     out = cache / f"{name}.json"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -277,7 +286,8 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
         env.setdefault("TRITON_INTERPRET", "1")  # zeropp's quantization kernels run in Triton's interpreter
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # so that "cpu s" sees every compiler process
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               __file__, "--worker", "--variant", variant, "--launch", name, "--out", str(out),
+               __file__, "--worker", "--variant", variant, "--launch", name,
+               "--round", str(round_index), "--out", str(out),
                "--layers", str(layers), "--shape", args.shape, "--seq", str(args.seq), "--batch", str(args.batch),
                "--steps", str(args.steps), "--dtype", args.dtype]
     command += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []
@@ -288,9 +298,10 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, cache
     start = time.perf_counter()
     returncode = subprocess.run(command, env=env).returncode
     if returncode != 0:  # the worker's traceback is above; the launches of other variants still run
-        return {"variant": variant, "layers": layers, "launch": name, "failed": f"exit status {returncode}"}
+        return {"variant": variant, "layers": layers, "launch": name, "round": round_index,
+                "failed": f"exit status {returncode}"}
     result = json.loads(out.read_text())
-    result["launch_s"] = time.perf_counter() - start
+    result.update(round=round_index, launch_s=time.perf_counter() - start)
     return result
 
 
@@ -316,7 +327,18 @@ def table(results: list[dict]) -> str:
     for r in finished:
         caches = ", ".join(f"{name} {count}" for name, count in sorted(r.get("caches", {}).items()))
         lines.append(f"  caches, {r['variant']} {r['layers']} layers {r['launch']}: {caches or 'none used'}")
+    lines += medians(finished)
     return "\n".join(lines)
+
+
+def medians(results: list[dict]) -> list[str]:
+    """A line per variant, depth and launch kind that ran more than once: the median first step."""
+    runs: dict[tuple, list[float]] = {}
+    for r in results:
+        runs.setdefault((r["variant"], r["layers"], r["launch"]), []).append(r["first_step_s"])
+    return [f"  {launch} first step, median of {len(seconds)}: {variant} {layers} layers "
+            f"{statistics.median(seconds):.1f} s (from {min(seconds):.1f} to {max(seconds):.1f})"
+            for (variant, layers, launch), seconds in runs.items() if len(seconds) > 1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,17 +348,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     results = []
     for layers in args.layers or DEFAULT_LAYERS[args.shape]:
-        for variant in args.variants:
-            cache = Path(tempfile.mkdtemp(prefix=f"zpp-probe-{file_name(variant)}-{layers}-"))
-            try:
-                for name in args.launches:
-                    results.append(launch(args, variant, layers, name, cache))
+        caches = {v: Path(tempfile.mkdtemp(prefix=f"zpp-probe-{file_name(v)}-{layers}-")) for v in args.variants}
+        try:
+            # Round by round (every variant's cold launch, then every variant's warm one, ...), so a
+            # host whose speed drifts during the probe slows the variants alike.
+            for round_index, name in enumerate(args.launches):
+                for variant in args.variants:
+                    if any(r["variant"] == variant and r["layers"] == layers and "failed" in r for r in results):
+                        continue  # a warm launch needs what the failed one would have cached
+                    results.append(launch(args, variant, layers, name, round_index, caches[variant]))
                     print(table(results[-1:]), flush=True)
                     if args.json:  # after every launch, so that a later one failing or hanging loses nothing
                         Path(args.json).write_text(json.dumps(results, indent=1))
-                    if "failed" in results[-1]:
-                        break  # a warm launch needs what the cold one would have cached
-            finally:
+        finally:
+            for cache in caches.values():
                 if args.keep_cache:
                     print(f"cache kept: {cache}")
                 else:

@@ -40,7 +40,7 @@ def test_a_wrong_variant_spec_is_a_clear_error(spec, message, capsys):
 def test_a_failed_launch_is_recorded_and_the_other_variants_still_run(monkeypatch, tmp_path, capsys):
     launched = []
 
-    def launch(args, variant, layers, name, cache):
+    def launch(args, variant, layers, name, round_index, cache):
         launched.append((variant, name))
         if variant == "zero3":
             return {"variant": variant, "layers": layers, "launch": name, "failed": "exit status 1"}
@@ -56,3 +56,31 @@ def test_a_failed_launch_is_recorded_and_the_other_variants_still_run(monkeypatc
     saved = json.loads(out.read_text())
     assert [r.get("failed") for r in saved] == ["exit status 1", None, None]
     assert "failed (exit status 1)" in capsys.readouterr().out
+
+
+def test_variants_take_turns_launch_by_launch_and_repeated_launches_have_medians(monkeypatch, capsys):
+    launched, seconds = [], iter([5.0, 9.0, 2.0, 4.0, 3.0, 8.0, 1.0, 6.0])
+
+    def launch(args, variant, layers, name, round_index, cache):
+        launched.append((variant, name, round_index, cache.name.split("-")[2]))
+        return {"variant": variant, "layers": layers, "launch": name, "first_step_s": next(seconds),
+                "first_step_cpu_s": 1.0, "ms_per_step": 10.0, "peak_gib": None, "mfu": None, "compile_times": {},
+                "caches": {}}
+
+    monkeypatch.setattr(compile_probe, "launch", launch)
+    compile_probe.main(["--variants", "fsdp2", "zero3", "--layers", "2", "--launches", "cold", "warm", "warm", "warm"])
+    # Each variant keeps its own cache folder across its launches.
+    assert launched == [("fsdp2", "cold", 0, "fsdp2"), ("zero3", "cold", 0, "zero3"),
+                        ("fsdp2", "warm", 1, "fsdp2"), ("zero3", "warm", 1, "zero3"),
+                        ("fsdp2", "warm", 2, "fsdp2"), ("zero3", "warm", 2, "zero3"),
+                        ("fsdp2", "warm", 3, "fsdp2"), ("zero3", "warm", 3, "zero3")]
+    out = capsys.readouterr().out
+    assert "warm first step, median of 3: fsdp2 2 layers 2.0 s (from 1.0 to 3.0)" in out
+    assert "warm first step, median of 3: zero3 2 layers 6.0 s (from 4.0 to 8.0)" in out
+    assert "cold first step, median" not in out
+
+
+def test_a_second_cold_launch_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--launches", "warm", "cold"])
+    assert "'cold' can only be the first launch" in capsys.readouterr().err
