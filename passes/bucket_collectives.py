@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..runtime.buckets import MEMBER_ALIGNMENT_BYTES, member_starts, side_by_side
+from ..runtime.buckets import member_starts, side_by_side
 from ..runtime.ops import gather_param_args, reduce_grad_args
 from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext, gradient_block_size, weight_block_size
 from .fx_util import gathered_param, hoist, insert_traced, nodes_calling, sink_users
@@ -40,8 +38,9 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     padded to whole blocks (so each block's scale covers one parameter, exactly as without
     buckets) and smaller members are bucketed apart, in full precision. A parameter gathered twice
     in one bucket (tied weights) is gathered once. Gathers and reductions over a group of one rank
-    stay apart: they issue no collective to save (`runtime/collectives.py`), and a bucket would
-    only add its copies in and out.
+    stay apart: they issue no collective to save (`runtime/collectives.py`), and each cast to the
+    compute dtype, made just before its weight's use, leaves the weight in cache for its matmul
+    (one bucket per layer, each weight a view of it, made the step slower: docs/performance.md).
     """
     size = ctx.config.bucket_size
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
@@ -58,7 +57,7 @@ def _gather_key(node: fx.Node, config: Any) -> tuple | None:
     item is the qwZ block size (0: unquantized). A weight held across several reads (gather_once)
     shares a bucket only with such weights."""
     gather = gather_param_args(node)
-    if gather.group_size == 1 and gather.dtype == gather.shard.meta["val"].dtype:
+    if gather.group_size == 1:
         return None
     return (gather.shard.meta["val"].dtype, gather.group_size, gather.group_name, gather.dtype, gather.reduce_dtype,
             gather.sharding_id, node.meta.get(READ_REPEATEDLY, False), weight_block_size(config, node))
@@ -68,7 +67,7 @@ def _reduce_key(node: fx.Node, config: Any) -> tuple | None:
     """What members of one bucket share, None for a reduction over one rank (left alone); the last
     item is the qgZ block size (0: unquantized)."""
     reduction = reduce_grad_args(node)
-    if reduction.group_size == 1 and reduction.dtype == reduction.grad.meta["val"].dtype:
+    if reduction.group_size == 1:
         return None
     return (reduction.grad.meta["val"].dtype, reduction.group_size, reduction.group_name, reduction.dtype,
             gradient_block_size(config, node))
@@ -121,13 +120,7 @@ def _merge_gathers(graph: fx.Graph, bucket: _Bucket) -> None:
         first_use.setdefault(gathered_param(node), node)
     unique = list(first_use.values())
     sizes = tuple(gather_param_args(n).shard_size for n in unique)
-    if gather.group_size == 1:
-        # Nothing is gathered: each member starts where a split would put it, so the joined
-        # shards are the weights themselves (`_gather_bucket`).
-        align = MEMBER_ALIGNMENT_BYTES // gather.dtype.itemsize
-        segments = tuple(_padded(s, math.lcm(block, align) if block else align) for s in sizes)
-    else:
-        segments = tuple(_padded(s, block) for s in sizes)
+    segments = tuple(_padded(s, block) for s in sizes)
     shards = [gather_param_args(n).shard for n in unique]
     hoist(shards, first)  # each shard is a view of a graph input, made just before its own gather
     weights = insert_traced(graph, first, _gather_bucket, sizes, segments, gather.group_size, gather.group_name,
@@ -146,9 +139,6 @@ def _gather_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], group_size
     flat = torch.ops.zpp.join_bucket(list(shards), list(segments))
     gathered = torch.ops.zpp.all_gather_param(flat, sum(segments), group_size, group_name, dtype, reduce_dtype,
                                               sharding_id)
-    if group_size == 1:  # the joined shards, each on its aligned start (`_merge_gathers`)
-        starts = itertools.accumulate(segments, initial=0)
-        return tuple(gathered[start:start + size] for start, size in zip(starts, sizes))
     weights = torch.ops.zpp.split_bucket(gathered, group_size, list(segments), list(sizes))
     starts, _ = member_starts(group_size, sizes, weights.element_size())
     return tuple(weights[start:start + group_size * size] for start, size in zip(starts, sizes))

@@ -58,39 +58,6 @@ def test_world1_matches_reference_with_no_collective_and_no_bucket(mode, tmp_pat
         assert "zpp." not in lowered and "_c10d_functional" not in lowered, lowered
 
 
-def mixed_precision_step(rank: int, world_size: int, config: dict) -> tuple[dict, str]:
-    """One step of TinyTransformer computing in bfloat16 (mode and Config fields in `config`): every
-    parameter's gradient, and the code of its compiled graphs as lowering found them."""
-    options = dict(config)
-    mode, dump_dir = options.pop("mode"), options.pop("dump_dir")
-    torch.manual_seed(0)
-    config = zpp.Config(param_dtype=torch.bfloat16, dump_dir=dump_dir, **options)
-    model = zpp.shard(TinyTransformer().to(device()), config)
-    compiled = torch.compile(model, backend="zeropp", options={"inductor": mode == "inductor"})
-    (tokens, targets), = batches(1, world_size)
-    compiled(tokens[:PER_RANK].to(device()), targets[:PER_RANK].to(device())).backward()
-    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
-    before_lowering = sorted(Path(dump_dir, f"rank{rank}").glob("*lowering.00.lower_collectives.before*"))
-    return grads, "".join(path.read_text() for path in before_lowering)
-
-
-@pytest.mark.distributed
-def test_world1_casts_a_layers_weights_in_one_bucket_whose_members_are_views(tmp_path):
-    # One rank gathers nothing, but computing in bfloat16 casts every weight: one bucket casts a
-    # layer's weights in one pass and each weight is a view of it, as a split would have cut it.
-    configs = [{"mode": mode, "dump_dir": str(tmp_path / f"{mode}-{index}"), **extra}
-               for mode in ("aot", "inductor")
-               for index, extra in enumerate([{}, {"disable_passes": ["bucket_collectives"]}])]
-    (bucketed, code), (alone, alone_code), (compiled, _), (compiled_alone, _) = run_ranks(
-        for_each_config, 1, mixed_precision_step, configs)[0]
-    assert "zpp.join_bucket" in code and "zpp.split_bucket" not in code, code
-    assert "zpp.join_bucket" not in alone_code  # the check can fail
-    assert bucketed.keys() == alone.keys() and len(bucketed) > 5
-    for name, grad in bucketed.items():
-        assert torch.equal(grad, alone[name]), name
-        torch.testing.assert_close(compiled[name], compiled_alone[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
 def graph_break_run(rank: int, world_size: int) -> int:
     """Trains the graph-broken model against the reference; returns how many training graphs
     (graphs with a backward) this rank compiled."""
