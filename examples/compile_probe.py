@@ -218,7 +218,7 @@ def worker(args: argparse.Namespace) -> None:
                   "compile_times": compile_seconds(), "caches": cache_counts()}
         Path(args.out).write_text(json.dumps(result))
         if profiler:
-            again = f"-{args.round}" if args.round > 1 else ""  # the second warm launch on, by round
+            again = f"-{args.round}" if args.round > 1 else ""  # a repeated warm launch: its round
             write_profile(profiler, Path(args.profile) / f"{file_name(args.variant)}-{layers}-{args.launch}{again}")
     dist.destroy_process_group()
 
