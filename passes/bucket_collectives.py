@@ -39,8 +39,9 @@ def bucket_collectives(graph: fx.Graph, ctx: PassContext) -> None:
     buckets) and smaller members are bucketed apart, in full precision. A parameter gathered twice
     in one bucket (tied weights) is gathered once. Gathers and reductions over a group of one rank
     stay apart: they issue no collective to save (`runtime/collectives.py`), and each cast to the
-    compute dtype, made just before its weight's use, leaves the weight in cache for its matmul
-    (one bucket per layer, each weight a view of it, made the step slower: docs/performance.md).
+    compute dtype is made just before its weight's use (one bucket per layer, each weight a view
+    of it, made the step slower, likely by casting weights out of cache before their matmuls:
+    docs/performance.md).
     """
     size = ctx.config.bucket_size
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)
