@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--launch", help=argparse.SUPPRESS)
-    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)  # earlier launches of this kind
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if "cold" in args.launches[1:]:
@@ -218,7 +218,7 @@ def worker(args: argparse.Namespace) -> None:
                   "compile_times": compile_seconds(), "caches": cache_counts()}
         Path(args.out).write_text(json.dumps(result))
         if profiler:
-            again = f"-{args.round}" if args.round > 1 else ""  # a repeated warm launch: its round
+            again = f"-{args.repeat + 1}" if args.repeat else ""
             write_profile(profiler, Path(args.profile) / f"{file_name(args.variant)}-{layers}-{args.launch}{again}")
     dist.destroy_process_group()
 
@@ -287,7 +287,7 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, round
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # so that "cpu s" sees every compiler process
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                __file__, "--worker", "--variant", variant, "--launch", name,
-               "--round", str(round_index), "--out", str(out),
+               "--repeat", str(args.launches[:round_index].count(name)), "--out", str(out),
                "--layers", str(layers), "--shape", args.shape, "--seq", str(args.seq), "--batch", str(args.batch),
                "--steps", str(args.steps), "--dtype", args.dtype]
     command += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []

@@ -7,9 +7,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from ..runtime.buckets import member_starts, side_by_side
+from ..runtime.buckets import join_shards, member_starts, side_by_side
 from ..runtime.ops import gather_param_args, reduce_grad_args
 from .base import FULL_PRECISION, READ_REPEATEDLY, PassContext, gradient_block_size, weight_block_size
 from .fx_util import gathered_param, hoist, insert_traced, nodes_calling, sink_users
@@ -169,10 +168,7 @@ def _reduce_bucket(sizes: tuple[int, ...], segments: tuple[int, ...], shard_nume
     elementwise expression (`buckets.side_by_side`), which it generates as one kernel with the
     cast to the reduction's dtype; in debug mode a concatenation, which allocates only the rows."""
     pieces = [g.view(group_size, size) for g, size in zip(grads, sizes)]
-    if one_pass:
-        rows = side_by_side(pieces, list(segments))
-    else:
-        rows = torch.cat([F.pad(piece, (0, seg - piece.shape[1])) for piece, seg in zip(pieces, segments)], dim=1)
+    rows = (side_by_side if one_pass else join_shards)(pieces, list(segments))
     shards = torch.ops.zpp.reduce_grad(rows.reshape(-1), sum(segments), group_size, group_name, dtype)
     return tuple(piece[:numel] for piece, numel in zip(shards.split(segments), shard_numels))
 

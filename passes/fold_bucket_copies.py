@@ -40,7 +40,7 @@ def _lower_join(graph: fx.Graph, node: fx.Node, one_pass: bool) -> None:
         replace_with_traced(graph, users[0], _quantize_bucket, tuple(join.segments), block_size, *join.shards)
         graph.erase_node(node)
     else:
-        replace_with_traced(graph, node, _join_in_one_pass if one_pass else _join, tuple(join.segments), *join.shards)
+        replace_with_traced(graph, node, _join, one_pass, tuple(join.segments), *join.shards)
 
 
 def _lower_split(graph: fx.Graph, node: fx.Node) -> None:
@@ -60,9 +60,5 @@ def _quantize_bucket(segments: tuple[int, ...], block_size: int, *shards: torch.
     return torch.ops.zpp.quantize_bucket(list(shards), list(segments), block_size)
 
 
-def _join(segments: tuple[int, ...], *shards: torch.Tensor) -> torch.Tensor:
-    return join_shards(list(shards), list(segments))
-
-
-def _join_in_one_pass(segments: tuple[int, ...], *shards: torch.Tensor) -> torch.Tensor:
-    return side_by_side(list(shards), list(segments))
+def _join(one_pass: bool, segments: tuple[int, ...], *shards: torch.Tensor) -> torch.Tensor:
+    return (side_by_side if one_pass else join_shards)(list(shards), list(segments))

@@ -42,8 +42,10 @@ def split_rows(rows: torch.Tensor, segments: list[int], sizes: list[int]) -> tor
 
 
 def join_shards(shards: list[torch.Tensor], segments: list[int]) -> torch.Tensor:
-    """A rank's shards side by side, each padded with zeros to its segment."""
-    return torch.cat([F.pad(shard, (0, segment - shard.numel())) for shard, segment in zip(shards, segments)])
+    """`shards` side by side along their last dimension, each padded with zeros to its segment: a
+    rank's flat shards, or the rows of gradients laid out per destination rank."""
+    return torch.cat([F.pad(shard, (0, segment - shard.shape[-1])) for shard, segment in zip(shards, segments)],
+                     dim=-1)
 
 
 def side_by_side(pieces: list[torch.Tensor], segments: list[int]) -> torch.Tensor:
