@@ -3,9 +3,9 @@
 `REGISTRY` (sharding state) remembers what `shard` decided and what outlives a single call for
 the sharded models: the process groups built for each topology (creating them is a collective
 and, on NCCL, costly), which modules and parameters were sharded and with what settings, the
-module classes that gather their parameters, the shards still waiting for their initial values,
-and the accumulators of gradients kept while gradient sync is off (found by key from inside
-compiled backward graphs).
+module classes that gather their parameters and those of the modules above them, the shards
+still waiting for their initial values, and the accumulators of gradients kept while gradient
+sync is off (found by key from inside compiled backward graphs).
 
 `COMPILATION` (compile state) remembers what compiling left: the collectives each compiled graph
 issues (the communication ledger), the graph ids, the parameter gathers that every rank agreed
@@ -68,6 +68,7 @@ class Registry:
     models: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     params: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # shard -> state
     gathering_classes: dict[tuple[type, frozenset[str], bool], type] = field(default_factory=dict)
+    container_classes: dict[type, type] = field(default_factory=dict)  # modules holding no shard of their own
     # Shards and buffers allocated but not yet given values (NaN until then), by tensor -> state:
     # what to_empty() after shard left, or meta modules shard() had no init for.
     unset: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)

@@ -22,6 +22,7 @@ from zpp_compile.passes.lower_collectives import lower_collectives
 from zpp_compile.dump import read_layer_runs
 from zpp_compile.ledger import CollectiveRecord, CommReport, GraphComm
 from zpp_compile.runtime.topology import Group
+from zpp_compile.torch_compat import ListedWithoutDynamoWalks
 
 LAYERS = 3
 PER_RANK = 2
@@ -80,6 +81,12 @@ def compile_once_run(rank: int, world_size: int) -> None:
             input_ids=mine, labels=mine).loss.backward()
         grads[once] = sharded_grads(model)
         if once:
+            # At its visits of the model's modules Dynamo walks none of their parameters (what that
+            # skips: test_torch_compat); the classes keep the names transformers matches them by.
+            assert all(isinstance(m, ListedWithoutDynamoWalks) for m in model.modules()
+                       if next(m.parameters(), None) is not None)
+            assert [type(m).__name__ for m in (model, model.model, model.model.layers[0])] == [
+                "LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer"]
             # Dynamo compiled the first layer's forward, a graph of its own, and ran it for the others.
             assert [len(gm.graph.find_nodes(op="call_function", target=torch.ops.zpp.all_gather_param))
                     for gm, one_layer in graphs if one_layer] == [len(list(model.model.layers[0].parameters()))]

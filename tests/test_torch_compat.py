@@ -221,6 +221,33 @@ def test_a_frames_compile_cap_is_raised_within_the_context():
     torch.compiler.reset()
 
 
+def test_dynamo_walks_the_parameters_of_a_module_unless_its_class_lists_them_itself():
+    # What ListedWithoutDynamoWalks relies on: at a visit of a module, Dynamo walks every parameter
+    # under it, marking each a static input, unless the class overrides the listing; seen here on
+    # a parameter forward never reads (one it reads is marked when the graph reads it).
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    class Listed(tc.ListedWithoutDynamoWalks, Model):
+        pass
+
+    x = torch.randn(2, 3)
+    for cls, walked in ((Model, True), (Listed, False)):
+        torch.compiler.reset()
+        module = cls()
+        torch.testing.assert_close(torch.compile(module, backend="eager")(x), module(x))
+        assert hasattr(module.unused.weight, "_dynamo_static_input_type") == walked, cls.__name__
+        assert hasattr(module.used.weight, "_dynamo_static_input_type"), cls.__name__
+        assert list(module.named_parameters()) == list(nn.Module.named_parameters(module))
+        assert list(module.named_buffers(prefix="m")) == list(nn.Module.named_buffers(module, prefix="m"))
+    torch.compiler.reset()
+
+
 def test_functional_collectives_zeropp_issues_exist():
     for name in ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor",
                  "all_to_all_single", "wait_tensor"):

@@ -37,7 +37,7 @@ from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
 from .runtime.registry import COMPILATION, REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
-from .torch_compat import TO_EMPTY_CONVERSION
+from .torch_compat import TO_EMPTY_CONVERSION, ListedWithoutDynamoWalks
 
 
 def shard(
@@ -79,6 +79,8 @@ def shard(
         initialized = meta_init.materialize(module, topology.device)
         names = [name for name, p in module._parameters.items() if p is not None]
         if not names:
+            if next(module.parameters(), None) is not None:  # holds modules that hold shards
+                module.__class__ = _container_class(type(module))
             continue
         layouts = {}
         for name in names:
@@ -307,8 +309,17 @@ def _gathering_class(cls: type, names: frozenset[str], in_leaf: bool) -> type:
 
         body = {name: gathered(name) for name in sorted(names)}
         body.update(_apply=_apply, __setattr__=__setattr__, forward=counting_forward(cls.forward))
-        REGISTRY.gathering_classes[key] = type(f"Sharded{cls.__name__}", (cls,), body)
+        REGISTRY.gathering_classes[key] = type(f"Sharded{cls.__name__}", (ListedWithoutDynamoWalks, cls), body)
     return REGISTRY.gathering_classes[key]
+
+
+def _container_class(cls: type) -> type:
+    """`cls`, under its own name, listing its parameters as it did (`ListedWithoutDynamoWalks`:
+    Dynamo then visits a sharded model's containers without walking every parameter under them)."""
+    if cls not in REGISTRY.container_classes:
+        REGISTRY.container_classes[cls] = type(cls.__name__, (ListedWithoutDynamoWalks, cls),
+                                               {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return REGISTRY.container_classes[cls]
 
 
 def _leaf_or_gathered(module: nn.Module, name: str) -> torch.Tensor:
