@@ -84,9 +84,9 @@ class ListedWithoutDynamoWalks:
     static input, recording its name for export) unless the module's class overrides those two
     methods (or is FSDP-managed, which also drops Dynamo's guards under it). A graph break at
     each layer (Config.compile_layers_once) makes Dynamo restart the model's nested frames, each
-    visiting the root: tens of walks of the whole model per first step, 1.4 s at 80 layers on
-    CPU. The walks are not needed: Dynamo marks a parameter static when a graph reads it, and
-    export's names are no concern of a training step."""
+    visiting the root: tens of walks of the whole model per first step (docs/performance.md says
+    what they cost). The walks are not needed: Dynamo marks a parameter static when a graph reads
+    it, and export's names are no concern of a training step."""
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
         return super().named_parameters(*args, **kwargs)  # type: ignore[misc]
