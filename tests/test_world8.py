@@ -3,9 +3,9 @@
 At 2 x 4, hpZ's secondary group and qgZ's intra-node hop span four ranks, not the one or two of
 the other tests' topologies. One group of 8 gloo ranks runs every scenario in turn (`in_turn`):
 plain ZeRO-3 against the unsharded reference, all three techniques near it, and the ledger's
-bytes against `zeropp explain`'s prediction for 2 x 4. The scenarios run op by op (no Inductor):
-what Inductor makes of the rewritten graphs is checked at world 2 and 4, and eight ranks on two
-cores then take about a minute.
+bytes against `zeropp explain`'s prediction for 2 x 4. The scenarios run op by op (no Inductor),
+which keeps eight ranks affordable on a small CPU machine: what Inductor makes of the rewritten
+graphs is checked at world 2 and 4.
 """
 
 from __future__ import annotations
