@@ -56,33 +56,37 @@ class GradAccumulator:
 
 
 def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:
-    """`module.<name>` inside forward (`forward_scope`): gathered, with its gradient reduced, kept,
-    or added to the kept one. Outside forward: the sharded parameter itself."""
+    """`module.<name>` inside forward (`forward_scope`): gathered (`gather_shard`). Outside forward:
+    the sharded parameter itself."""
     shard = module._parameters[name]
     if not isinstance(shard, DTensor) or not module._zpp.scope.gathers():
         return shard
-    return gather_local_shard(module, name, local_shard(module, name))
+    return gather_shard(module, name)
 
 
-def local_shard(module: nn.Module, name: str) -> torch.Tensor:
-    """This rank's part of `module.<name>`'s shard, as `gather_local_shard` reads it: detached while
-    gradients are kept on this rank, since those never flow back to the shard."""
+def gather_shard(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` gathered from this rank's shard, its gradient reduced, kept on this rank, or
+    added to the kept one. While gradients are kept, the shard is read detached: they never flow
+    back to it.
+
+    Dynamo traces this at every read of a parameter, where each function call and each graph node
+    adds to the first step's compilation: so it is one function, and a weight that fills whole
+    shards is a view of the gathered buffer, without a slice."""
+    held = module._zpp
+    numel, shape, shard_size, group_size, *op_args = held.gather_args[name]
     shard = module._parameters[name]
-    accumulator = module._zpp.accumulators.get(name)
+    accumulator = held.accumulators.get(name)
     if accumulator is not None and not accumulator.sync:
         shard = shard.detach()
-    return shard.to_local()
-
-
-def gather_local_shard(module: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
-    """`module.<name>` gathered from this rank's part of its shard (`local_shard`), its gradient
-    reduced, kept on this rank, or added to the kept one."""
-    numel, shape, *op_args = module._zpp.gather_args[name]
     if not torch.compiler.is_compiling():
         _check_same_gather(module, name)
-    gathered = torch.ops.zpp.all_gather_param(local.reshape(-1), *op_args)
-    weight = FromEveryReplica.apply(gathered) if not shape else gathered[:numel].view(shape)
-    accumulator = module._zpp.accumulators.get(name)
+    gathered = torch.ops.zpp.all_gather_param(shard.to_local().reshape(-1), shard_size, group_size, *op_args)
+    if not shape:
+        weight = FromEveryReplica.apply(gathered)
+    elif shard_size * group_size == numel:
+        weight = gathered.view(shape)
+    else:
+        weight = gathered[:numel].view(shape)
     if accumulator is None:
         return weight
     if not accumulator.sync:

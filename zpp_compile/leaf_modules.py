@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .grad_sync import gather_local_shard, local_shard
+from .grad_sync import gather_shard
 from .module_state import sharded_names
 
 
@@ -59,7 +59,7 @@ def _enter(entries: list, leaf: nn.Module, _args: Any) -> None:
         if name in holder._zpp.leaf_weights or not isinstance(shard, DTensor):
             continue
         if id(shard) not in gathered:
-            gathered[id(shard)] = gather_local_shard(holder, name, local_shard(holder, name))
+            gathered[id(shard)] = gather_shard(holder, name)
         stashed.append((holder, name, id(shard)))
     weights = dict(zip(gathered, _Together.apply(*gathered.values()))) if gathered else {}
     for holder, name, key in stashed:

@@ -36,7 +36,7 @@ class ParamLayout:
 
     @property
     def gather_args(self) -> GatherArgs:
-        """What gathering the parameter reads, as `grad_sync.gather_local_shard` takes it."""
+        """What gathering the parameter reads, as `grad_sync.gather_shard` takes it."""
         return (self.shape.numel(), tuple(self.shape), self.shard_size, self.group_size, self.group_name, self.dtype,
                 self.reduce_dtype, self.sharding_id)
 

@@ -15,6 +15,7 @@ for every identical layer (`layer_graphs`). What zeropp keeps on each module hol
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import hashlib
 from typing import Any, Callable, Mapping
@@ -295,8 +296,8 @@ def _gathering_class(cls: type, names: frozenset[str], in_leaf: bool) -> type:
 
         def gathered(name: str) -> property:
             if in_leaf:
-                return property(lambda self: _leaf_or_gathered(self, name))
-            return property(lambda self: gathered_weight(self, name))
+                return property(functools.partial(_leaf_or_gathered, name=name))
+            return property(functools.partial(gathered_weight, name=name))
 
         def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
             return _apply_to_shards(self, lambda: cls._apply(self, fn, recurse), fn)
