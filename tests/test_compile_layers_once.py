@@ -4,6 +4,7 @@ backward's re-gathers."""
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Callable
 
@@ -157,10 +158,32 @@ def numbered_layers_run(rank: int, world_size: int) -> None:
     """More layers of distinct graphs than torch's default cap on a frame's compilations (8): each
     still runs a compiled graph, none falls back to running eagerly."""
     layers = lambda: [NumberedLayer(8, n) for n in range(12)]  # noqa: E731
-    graphs, model = stack_matches_unsharded_run(rank, world_size, layers, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphs, model = stack_matches_unsharded_run(rank, world_size, layers, seed=1)
     assert sum(one_layer for _, one_layer in graphs) == 12
+    # Once, as the fifth graph comes: the layers trace apart, and compile time grows with depth.
+    apart = [str(w.message) for w in caught if "differs from layer to layer" in str(w.message)]
+    assert len(apart) == 1 and "compiled 5 graphs for 5 layers" in apart[0], apart
     sharding_id = zpp.REGISTRY.sharding_id(model)
     assert len({graph for (owner, _), graph in zpp.COMPILATION.layer_graphs.items() if owner == sharding_id}) == 12
+
+
+def kv_cache_run(rank: int, world_size: int) -> None:
+    """An HF model left with `use_cache` on hands its layers a KV cache in training, which each layer
+    updates at its own index: a warning says that every layer then traces apart, and what to set."""
+    transformers = pytest.importorskip("transformers")
+    tokens = batches(1, world_size, PER_RANK, vocab=VOCAB)[0][0].to(device())
+    model = zpp.shard(llama(transformers), zpp.Config(compile_layers_once=True))
+    for use_cache, warned in ((False, False), (True, True)):
+        model.config.use_cache = use_cache
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(input_ids=tokens, labels=tokens)
+            with torch.no_grad():  # generation needs the cache: no warning there
+                model(input_ids=tokens, use_cache=True)
+        cache = [str(w.message) for w in caught if "KV cache" in str(w.message)]
+        assert bool(cache) == warned and all("model.config.use_cache = False" in m for m in cache), cache
 
 
 def same_collectives_run(rank: int, world_size: int) -> None:
@@ -247,7 +270,7 @@ def no_sync_layers_run(rank: int, world_size: int) -> None:
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
     run_ranks(in_turn, 2, {"hf llama": (compile_once_run,), "numbered layers": (numbered_layers_run,),
                            "checkpointing": (checkpointing_layers_run,), "all three": (same_collectives_run,),
-                           "inductor": (inductor_run,),
+                           "inductor": (inductor_run,), "kv cache": (kv_cache_run,),
                            "no sync": (no_sync_layers_run,)})
 
 

@@ -9,6 +9,8 @@ layer and runs that compiled code for every other one (their parameters are the 
 checked by guards, not constants in it). zeropp's backend compiles a layer's graph as any other:
 the gathers of the layer's parameters in its forward, their reductions in its backward, every
 pass on both. Compile time then no longer grows with depth, as with FSDP2's compile per block.
+Layers whose forwards read something that differs by layer (an HF model's KV cache, while
+`use_cache` is on in training) trace apart, each into a graph of its own; zeropp warns of it.
 
 The communication report counts a layer's graph once for every layer that ran it last: the
 forward sets `COMPILATION.running_layer` while it runs, and the compiled graph records which
@@ -18,6 +20,7 @@ layer ran it (`record_layer_run`).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -59,10 +62,27 @@ def _compiled_on_its_own(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     @torch.compiler.disable(recursive=False)
     def run_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+            _warn_of_a_cache(layer)
         with running(layer._zpp_layer), raised_cap:
             return forward(layer, *args, **kwargs)
 
     return run_layer
+
+
+# The names transformers versions hand a decoder layer its KV cache under.
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
+
+
+def _warn_of_a_cache(layer: nn.Module) -> None:
+    """Says that a KV cache handed to the layers (an HF model's, while `use_cache` is on) gives each
+    layer a graph of its own: each layer updates the cache at its own index, which Dynamo traces as
+    a constant. Python shows the warning once."""
+    warnings.warn(
+        f"zeropp: Config.compile_layers_once compiles a graph for every {type(layer).__name__}: the layers are "
+        "passed a KV cache, which each layer updates at its own index, so no two of them trace "
+        "alike and compile time grows with depth. Training needs no cache: set `model.config.use_cache = False` "
+        "(or call the model with use_cache=False)", stacklevel=3)
 
 
 @contextlib.contextmanager
@@ -85,11 +105,29 @@ def record_layer_run(compiled: Callable[..., Any], graph_id: str, dump: GraphDum
         layer = COMPILATION.running_layer
         if layer is not None and torch.is_grad_enabled() and COMPILATION.layer_graphs.get(layer) != graph_id:
             COMPILATION.layer_graphs[layer] = graph_id
+            _warn_if_layers_trace_apart(layer[0])
             if dump is not None:
                 dump.write_layer_runs(layer_runs())
         return compiled(*args)
 
     return run
+
+
+# More graphs than this among one model's layers: its layers trace apart (a first layer whose input
+# needs no gradient, and two kinds of layers alternating, as local and global attention, stay below).
+_LAYER_GRAPHS_EXPECTED = 4
+
+
+def _warn_if_layers_trace_apart(sharding_id: int) -> None:
+    """Warns, once per model, when its layers come to run more than `_LAYER_GRAPHS_EXPECTED`
+    graphs: their forwards read something that differs by layer, so compile time grows with depth."""
+    layers = [graph for (owner, _), graph in COMPILATION.layer_graphs.items() if owner == sharding_id]
+    if len(set(layers)) == _LAYER_GRAPHS_EXPECTED + 1:
+        warnings.warn(
+            f"zeropp: Config.compile_layers_once has compiled {_LAYER_GRAPHS_EXPECTED + 1} graphs for "
+            f"{len(layers)} layers: the layers' forwards read something that differs from layer to layer (a "
+            "number, a flag, a cache), which Dynamo compiles as a constant, so compile time grows with depth. "
+            "TORCH_LOGS=recompiles names what differs", stacklevel=2)
 
 
 def layer_runs() -> dict[str, int]:
