@@ -24,6 +24,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -193,10 +194,13 @@ def in_turn(rank: int, world_size: int, calls: list[tuple] | dict[str, tuple]) -
     results = {}
     for name, (fn, *args) in named.items():
         _forget_compiled()
+        start = time.perf_counter()
         try:
             results[name] = fn(rank, world_size, *args)
         except Exception as error:
             raise ScenarioFailed(f"scenario {name!r} failed on rank {rank}") from error
+        if rank == 0 and os.environ.get("ZPP_TEST_SCENARIO_SECONDS"):  # where a test's time goes (pytest -s)
+            print(f"scenario {name!r}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return results if isinstance(calls, dict) else list(results.values())
 
 
