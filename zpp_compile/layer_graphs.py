@@ -119,8 +119,8 @@ _LAYER_GRAPHS_EXPECTED = 4
 
 
 def _warn_if_layers_trace_apart(sharding_id: int) -> None:
-    """Warns, once per model, when its layers come to run more than `_LAYER_GRAPHS_EXPECTED`
-    graphs: their forwards read something that differs by layer, so compile time grows with depth."""
+    """Warns as one model's layers come to run one graph more than `_LAYER_GRAPHS_EXPECTED`: their
+    forwards read something that differs by layer, so compile time grows with depth."""
     layers = [graph for (owner, _), graph in COMPILATION.layer_graphs.items() if owner == sharding_id]
     if len(set(layers)) == _LAYER_GRAPHS_EXPECTED + 1:
         warnings.warn(
