@@ -62,27 +62,10 @@ def _compiled_on_its_own(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     @torch.compiler.disable(recursive=False)
     def run_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
-            _warn_of_a_cache(layer)
         with running(layer._zpp_layer), raised_cap:
             return forward(layer, *args, **kwargs)
 
     return run_layer
-
-
-# The names transformers versions hand a decoder layer its KV cache under.
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
-
-
-def _warn_of_a_cache(layer: nn.Module) -> None:
-    """Says that a KV cache handed to the layers (an HF model's, while `use_cache` is on) gives each
-    layer a graph of its own: each layer updates the cache at its own index, which Dynamo traces as
-    a constant. Python shows the warning once."""
-    warnings.warn(
-        f"zeropp: Config.compile_layers_once compiles a graph for every {type(layer).__name__}: the layers are "
-        "passed a KV cache, which each layer updates at its own index, so no two of them trace "
-        "alike and compile time grows with depth. Training needs no cache: set `model.config.use_cache = False` "
-        "(or call the model with use_cache=False)", stacklevel=3)
 
 
 @contextlib.contextmanager
@@ -127,7 +110,9 @@ def _warn_if_layers_trace_apart(sharding_id: int) -> None:
             f"zeropp: Config.compile_layers_once has compiled {_LAYER_GRAPHS_EXPECTED + 1} graphs for "
             f"{len(layers)} layers: the layers' forwards read something that differs from layer to layer (a "
             "number, a flag, a cache), which Dynamo compiles as a constant, so compile time grows with depth. "
-            "TORCH_LOGS=recompiles names what differs", stacklevel=2)
+            "An HF model left with use_cache on hands every layer a KV cache, which each updates at its own "
+            "index: set `model.config.use_cache = False` for training. TORCH_LOGS=recompiles names what differs",
+            stacklevel=2)
 
 
 def layer_runs() -> dict[str, int]:
