@@ -79,8 +79,7 @@ class _Ranks:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.environ = _environ()  # what the ranks read at start
-        forked = BACKEND == "gloo" and self.environ == _SERVER_ENVIRON
-        context = mp.get_context("forkserver" if forked else "spawn")
+        context = mp.get_context("forkserver" if forks_ranks() else "spawn")
         self.results = context.Queue()
         self.calls = [context.Queue() for _ in range(world_size)]
         self.call_ids = itertools.count()
@@ -255,14 +254,22 @@ def _forget_compiled() -> None:
     zpp.reset_comm_report()
 
 
-# Set by pytest for every test, and by Inductor in any process that loads a compiled C++ module (a
-# per-process address, which each rank sets for itself): neither says how a rank must start.
-_NOT_STARTUP = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+# Set by pytest for every test; by Inductor in any process that loads a compiled C++ module (a
+# per-process address, which each rank sets for itself); by importing Lightning, which test modules
+# do after this one is imported, and the server's preload does in every rank it forks: none says how
+# a rank must start.
+_NOT_STARTUP = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 def _environ() -> dict[str, str]:
     """The environment variables a rank starts with, less those that change while tests run."""
     return {name: value for name, value in os.environ.items() if name not in _NOT_STARTUP}
+
+
+def forks_ranks() -> bool:
+    """Whether ranks started now are forked from the server (CPU ranks, under the environment it
+    started with), not started as new interpreters."""
+    return BACKEND == "gloo" and _environ() == _SERVER_ENVIRON
 
 
 def _free_port() -> int:

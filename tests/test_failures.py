@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
-from distributed import BACKEND, device, in_turn, run_ranks
+from distributed import BACKEND, device, forks_ranks, in_turn, run_ranks
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES
 
@@ -231,3 +231,13 @@ def test_a_failing_scenario_of_a_shared_group_is_named():
         run_ranks(in_turn, 2, {"first": (_returns_rank,), "second": (_raises_on_rank_1,)})
     assert "ScenarioFailed: scenario 'second' failed on rank 1" in str(failure.value)
     assert "ValueError: the check this scenario makes failed" in str(failure.value)  # the cause, chained
+
+
+def test_importing_the_model_libraries_leaves_test_ranks_forked():
+    # A rank started as a new interpreter costs seconds of imports; a variable that a library sets
+    # when imported (Lightning sets one) must not make every later rank start that way.
+    import lightning.fabric  # noqa: F401  (test modules import these after the harness)
+    import peft  # noqa: F401
+    import torchtitan.models.llama3  # noqa: F401
+    import transformers  # noqa: F401
+    assert forks_ranks() == (BACKEND == "gloo")
