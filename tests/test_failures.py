@@ -233,6 +233,7 @@ def test_a_failing_scenario_of_a_shared_group_is_named():
     assert "ValueError: the check this scenario makes failed" in str(failure.value)  # the cause, chained
 
 
+@pytest.mark.skipif(BACKEND == "nccl", reason="GPU ranks always start as new interpreters")
 def test_importing_the_model_libraries_leaves_test_ranks_forked():
     # A rank started as a new interpreter costs seconds of imports; a variable that a library sets
     # when imported (Lightning sets one) must not make every later rank start that way.
@@ -240,4 +241,4 @@ def test_importing_the_model_libraries_leaves_test_ranks_forked():
     import peft  # noqa: F401
     import torchtitan.models.llama3  # noqa: F401
     import transformers  # noqa: F401
-    assert forks_ranks() == (BACKEND == "gloo")
+    assert forks_ranks()
