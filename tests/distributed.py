@@ -281,6 +281,7 @@ def _free_port() -> int:
 # What the forkserver imports once for every rank it forks: the harness (torch, zpp_compile,
 # Inductor) and the model libraries that test modules import. It starts at the first rank, with the
 # environment this module saw when imported (after conftest's settings).
-mp.set_forkserver_preload(["distributed", "transformers", "transformers.models.llama.modeling_llama", "peft",
-                           "lightning.fabric", "torchtitan.models.llama3"])
+SERVER_PRELOAD = ["distributed", "transformers", "transformers.models.llama.modeling_llama", "peft",
+                  "lightning.fabric", "torchtitan.models.llama3"]
+mp.set_forkserver_preload(SERVER_PRELOAD)
 _SERVER_ENVIRON = _environ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import os
 import re
 import time
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import zpp_compile as zpp
-from distributed import BACKEND, device, forks_ranks, in_turn, run_ranks
+from distributed import BACKEND, SERVER_PRELOAD, device, forks_ranks, in_turn, run_ranks
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES
 
@@ -236,9 +237,8 @@ def test_a_failing_scenario_of_a_shared_group_is_named():
 @pytest.mark.skipif(BACKEND == "nccl", reason="GPU ranks always start as new interpreters")
 def test_importing_the_model_libraries_leaves_test_ranks_forked():
     # A rank started as a new interpreter costs seconds of imports; a variable that a library sets
-    # when imported (Lightning sets one) must not make every later rank start that way.
-    import lightning.fabric  # noqa: F401  (test modules import these after the harness)
-    import peft  # noqa: F401
-    import torchtitan.models.llama3  # noqa: F401
-    import transformers  # noqa: F401
+    # when imported (Lightning sets one) must not make every later rank start that way. Test modules
+    # import these libraries after the harness; the server imports them before it forks a rank.
+    for name in SERVER_PRELOAD:
+        importlib.import_module(name)
     assert forks_ranks()
