@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import itertools
 import os
 import queue
@@ -218,6 +219,11 @@ def _rank_main(rank, world_size, port, calls, results) -> None:
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     faulthandler.enable(all_threads=True)  # a rank that aborts in native code shows where, on stderr
+    # What the rank starts with (torch, Inductor, the model libraries: about half a million objects)
+    # lives as long as the rank. Put out of the collector's reach, it is not walked again by every
+    # full collection (zpp_compile.shard makes one, Python others as the heap grows): those walk
+    # only what the tests made since.
+    gc.freeze()
     torch.set_num_threads(1)
     if BACKEND == "nccl":
         torch.cuda.set_device(rank)
