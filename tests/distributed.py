@@ -219,10 +219,10 @@ def _rank_main(rank, world_size, port, calls, results) -> None:
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     faulthandler.enable(all_threads=True)  # a rank that aborts in native code shows where, on stderr
-    # What the rank starts with (torch, Inductor, the model libraries: about half a million objects)
-    # lives as long as the rank. Put out of the collector's reach, it is not walked again by every
-    # full collection (zpp_compile.shard makes one, Python others as the heap grows): those walk
-    # only what the tests made since.
+    # What the rank starts with (torch, Inductor, the model libraries) lives as long as the rank.
+    # Put out of the collector's reach, it is not walked again by every full collection
+    # (zpp_compile.shard makes one, Python others as the heap grows): those walk only what the
+    # tests made since.
     gc.freeze()
     torch.set_num_threads(1)
     if BACKEND == "nccl":
