@@ -90,8 +90,9 @@ def test_inductor_entry_points_take_what_the_backend_passes():
 
 def test_inductor_config_keys_zeropp_sets_or_reads_exist():
     known = tc.inductor_config.get_config_copy()  # what Config.inductor_options is checked against
-    patched = ("joint_custom_post_pass", "post_grad_custom_pre_pass", "dynamic_scale_rblock", "reorder_for_peak_memory",
-               "allow_buffer_reuse", "inplace_buffers", "triton.cudagraphs")
+    patched = ("joint_custom_post_pass", "post_grad_custom_pre_pass", "dynamic_scale_rblock",
+               "triton.autotune_pointwise", "reorder_for_peak_memory", "allow_buffer_reuse", "inplace_buffers",
+               "triton.cudagraphs")
     assert [key for key in patched if key not in known] == []
     with tc.inductor_config.patch(dict.fromkeys(patched[2:], False)):  # compile_fx's config_patches do this
         pass

@@ -190,13 +190,15 @@ def generated_code(rank: int, world_size: int, options: dict) -> list[str]:
     return run_and_get_code(lambda: step_fn(torch.randn(2, 8, device=device())).sum().backward())[1]
 
 
-def block_size_timing(rank: int, world_size: int, options: dict) -> list[bool]:
-    """Inductor's `dynamic_scale_rblock` as zeropp's lowering passes see it, for each graph."""
+def configuration_timing(rank: int, world_size: int, options: dict) -> list[tuple[bool, bool]]:
+    """Inductor's `triton.autotune_pointwise` and `dynamic_scale_rblock` as zeropp's lowering
+    passes see them, for each graph."""
     seen = []
 
     def recording(graph_pass: GraphPass) -> GraphPass:
         def run(graph, ctx):
-            seen.append(torch._inductor.config.dynamic_scale_rblock)
+            inductor = torch._inductor.config
+            seen.append((inductor.triton.autotune_pointwise, inductor.dynamic_scale_rblock))
             graph_pass.run(graph, ctx)
         return dataclasses.replace(graph_pass, run=run)
 
@@ -208,14 +210,16 @@ def block_size_timing(rank: int, world_size: int, options: dict) -> list[bool]:
 
 
 @pytest.mark.distributed
-def test_reductions_keep_one_block_size_unless_asked():
-    # Inductor would time a second block size of some reductions in every new process (a restarted
-    # job included), copying large outputs to the host and back to do so.
+def test_kernels_keep_one_configuration_unless_asked():
+    # Inductor would time a second block size of pointwise kernels and of some reductions in every
+    # process with cold caches (a reduction's in every new process), copying large outputs to the
+    # host and back to do so.
     uncached = {"fx_graph_cache": False}  # so that the passes run whatever an earlier run stored
-    configs = [{"inductor_options": uncached}, {"inductor_options": {**uncached, "dynamic_scale_rblock": True}}]
-    default, asked = run_ranks(for_each_config, 1, block_size_timing, configs)[0]
-    assert default == [False, False]  # forward and backward
-    assert asked == [True, True]
+    asked = {**uncached, "triton.autotune_pointwise": True, "dynamic_scale_rblock": True}
+    default, timed = run_ranks(for_each_config, 1, configuration_timing,
+                               [{"inductor_options": uncached}, {"inductor_options": asked}])[0]
+    assert default == [(False, False), (False, False)]  # forward and backward
+    assert timed == [(True, True), (True, True)]
 
 
 @pytest.mark.distributed
