@@ -125,6 +125,21 @@ def launcher_ranks_per_node(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
+def collective_device(backend_config: str) -> torch.device:
+    """The device zeropp keeps shards on and communicates from, given the default process group's
+    backend for each device type ("cuda:nccl", "cpu:gloo,cuda:nccl"; `dist.get_backend_config()`):
+    the current GPU where the group has a GPU backend of its own, the CPU where only gloo serves.
+
+    Gloo also takes CUDA tensors, by copying them through the host; a group set up with it alone
+    runs on the CPU. `init_process_group()` without a backend, on a machine with GPUs, makes NCCL
+    the GPU's backend without naming it in `dist.get_backend()`, which says "undefined".
+    """
+    backends = dict(pair.split(":") for pair in backend_config.split(","))
+    if torch.cuda.is_available() and backends.get("cuda", "gloo") != "gloo":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: float) -> Topology:
     """Creates the process groups (torch.distributed must be initialized).
 
@@ -151,10 +166,6 @@ def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: floa
 
     agreement = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
 
-    backend = dist.get_backend()
-    if backend == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = collective_device(dist.get_backend_config())
     mesh = DeviceMesh.from_group(world_pg, device.type)
     return Topology(rank, world_size, ranks_per_node, device, world, intra, inter, secondary, mesh, agreement)

@@ -14,6 +14,7 @@ import zpp_compile as zpp
 from zpp_compile import backend, local_shards
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES, GraphPass
+from zpp_compile.runtime.topology import collective_device
 from distributed import device, for_each_config, run_ranks
 from models import GraphBreakTransformer, TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
@@ -63,6 +64,18 @@ def graph_break_run(rank: int, world_size: int) -> int:
     (graphs with a backward) this rank compiled."""
     train_sharded(rank, world_size, "aot", {}, GraphBreakTransformer)
     return len({g.graph_name.split(".")[0] for g in zpp.COMPILATION.ledger if g.kind == "backward"})
+
+
+def test_shards_live_on_the_device_the_default_group_serves(monkeypatch):
+    # dist.get_backend_config() after init_process_group(backend=...): "nccl" and no backend on a
+    # machine with GPUs give "cuda:nccl" (dist.get_backend() then says "undefined"), a CPU backend
+    # beside NCCL "cpu:gloo,cuda:nccl", "gloo" "cpu:gloo,cuda:gloo", torch's fake group its own
+    # name for every device.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    on_gpu = ["cuda:nccl", "cpu:gloo,cuda:nccl", "cpu:fake,cuda:fake,hpu:fake,xpu:fake"]
+    assert [collective_device(config) for config in on_gpu] == [torch.device("cuda", 1)] * 3
+    assert [collective_device(config) for config in ["cpu:gloo,cuda:gloo", "cpu:gloo"]] == [torch.device("cpu")] * 2
 
 
 @pytest.mark.distributed
