@@ -24,6 +24,13 @@ qgZ); a zeropp variant named NAME@KEY=VALUE runs with that Config field on top
 compare without one warming the other's process). `--profile DIR` writes a cProfile of rank 0's
 first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof`, a repeated warm launch `-warm-N`,
 and the top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.
+
+`--fake-world N` runs rank 0 of an N-rank world alone, on one GPU (or the CPU), over torch's fake
+process group: its collectives return at once and move nothing, so the graphs, kernels and their
+compilation are those of a rank of that world, while step times, and the values trained, are not.
+
+    python examples/compile_probe.py --shape llama-3b --fake-world 2 --seq 4096 --batch 1 --dtype bf16 \
+        --variants fsdp2 zero3-layers
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="launches per variant and depth, in this order on the variant's cache directory "
                         "(`cold warm warm warm`: three warm launches; cold only first)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU on CUDA)")
+    p.add_argument("--fake-world", type=int, metavar="N",
+                   help="run rank 0 of N alone over torch's fake process group (collectives move nothing)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--steps", type=int, default=3, help="steps timed after the first")
@@ -173,7 +182,7 @@ def cache_counts() -> dict[str, int]:
 def worker(args: argparse.Namespace) -> None:
     from gpt import init_distributed  # examples/gpt.py
 
-    device = init_distributed()
+    device = join_fake_world(args.fake_world) if args.fake_world else init_distributed()
     rank = dist.get_rank()
     layers = int(args.layers[0])
     model = build_llama(args, layers, device)
@@ -211,7 +220,8 @@ def worker(args: argparse.Namespace) -> None:
     firsts = [None] * dist.get_world_size()
     dist.all_gather_object(firsts, first)
     if rank == 0:
-        result = {"variant": args.variant, "layers": layers, "launch": args.launch, "first_step_s": max(firsts),
+        result = {"variant": args.variant, "layers": layers, "launch": args.launch, "world": dist.get_world_size(),
+                  "fake_world": bool(args.fake_world), "first_step_s": max(firsts),
                   "first_step_cpu_s": first_cpu,
                   "ms_per_step": 1e3 * step_s if step_s else None, "peak_gib": peak, "tflops": tflops,
                   "mfu": tflops / args.peak_tflops if tflops and args.peak_tflops else None,
@@ -221,6 +231,14 @@ def worker(args: argparse.Namespace) -> None:
             again = f"-{args.repeat + 1}" if args.repeat else ""
             write_profile(profiler, Path(args.profile) / f"{file_name(args.variant)}-{layers}-{args.launch}{again}")
     dist.destroy_process_group()
+
+
+def join_fake_world(world: int) -> torch.device:
+    """Rank 0 of `world` ranks, alone in this process, over torch's fake process group."""
+    from zpp_compile.torch_compat import init_fake_process_group
+
+    init_fake_process_group(0, world)
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def flops_per_step(config: Any, batch: int, seq: int) -> float:
@@ -285,7 +303,8 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, round
     if not torch.cuda.is_available():
         env.setdefault("TRITON_INTERPRET", "1")  # zeropp's quantization kernels run in Triton's interpreter
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # so that "cpu s" sees every compiler process
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+    nproc = 1 if args.fake_world else args.nproc
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                __file__, "--worker", "--variant", variant, "--launch", name,
                "--repeat", str(args.launches[:round_index].count(name)), "--out", str(out),
                "--layers", str(layers), "--shape", args.shape, "--seq", str(args.seq), "--batch", str(args.batch),
@@ -295,6 +314,7 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, round
     command += ["--heads", str(args.heads)] if args.heads else []
     command += ["--vocab", str(args.vocab)] if args.vocab else []
     command += ["--profile", args.profile] if args.profile else []
+    command += ["--fake-world", str(args.fake_world)] if args.fake_world else []
     start = time.perf_counter()
     returncode = subprocess.run(command, env=env).returncode
     if returncode != 0:  # the worker's traceback is above; the launches of other variants still run
@@ -347,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     results = []
+    if args.fake_world:
+        print(f"rank 0 of {args.fake_world} alone, over torch's fake process group: its collectives move nothing, "
+              "so step times are not the world's", flush=True)
     for layers in args.layers or DEFAULT_LAYERS[args.shape]:
         caches = {v: Path(tempfile.mkdtemp(prefix=f"zpp-probe-{file_name(v)}-{layers}-")) for v in args.variants}
         try:

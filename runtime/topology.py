@@ -164,7 +164,10 @@ def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: floa
     if hpz_partition_size:
         secondary, _ = my_group(secondary_groups(world_size, hpz_partition_size))
 
-    agreement = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
+    # torch's fake group (a dry run of one rank, `torch_compat.init_fake_process_group`) has no store
+    # that a gloo group's members could meet at; its own collectives agree with themselves.
+    agreement_backend = None if dist.get_backend() == "fake" else "gloo"
+    agreement = dist.new_group(list(range(world_size)), timeout=timeout, backend=agreement_backend)
 
     device = collective_device(dist.get_backend_config())
     mesh = DeviceMesh.from_group(world_pg, device.type)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,6 +79,31 @@ def test_shards_live_on_the_device_the_default_group_serves(monkeypatch):
     on_gpu = ["cuda:nccl", "cpu:gloo,cuda:nccl", "cpu:fake,cuda:fake,hpu:fake,xpu:fake"]
     assert [collective_device(config) for config in on_gpu] == [torch.device("cuda", 1)] * 3
     assert [collective_device(config) for config in ["cpu:gloo,cuda:gloo", "cpu:gloo"]] == [torch.device("cpu")] * 2
+
+
+def collectives_of_a_step(rank: int, world_size: int) -> list[tuple]:
+    """What a compiled step of a small sharded model issues on this rank (debug mode: AOTAutograd
+    and the passes, no Inductor), as the communication report lists it, less the graphs' names."""
+    model = zpp.shard(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(device()),
+                      zpp.Config(inductor=False))
+    step_fn = torch.compile(model, backend="zeropp")
+    step_fn(torch.randn(4, 16, device=device())).square().mean().backward()
+    return [(r.phase, r.op, list(r.ranks), r.dtype, r.intra_bytes, r.inter_bytes) for r in zpp.comm_report().rows]
+
+
+@pytest.mark.distributed
+def test_a_dry_run_over_the_fake_process_group_issues_what_rank_0_of_the_world_does():
+    # torch's fake process group runs rank 0 of a world alone (examples/compile_probe.py --fake-world),
+    # in a process of its own here, as the probe's.
+    real = run_ranks(collectives_of_a_step, 2)[0]
+    script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "from zpp_compile.torch_compat import init_fake_process_group\n"
+              "init_fake_process_group(0, 2)\n"
+              "from test_zero3 import collectives_of_a_step\n"
+              "print(json.dumps(collectives_of_a_step(0, 2)))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert real and json.loads(done.stdout.splitlines()[-1]) == [list(row) for row in real]
 
 
 @pytest.mark.distributed

@@ -168,3 +168,14 @@ def node_module_stack(node: fx.Node) -> dict[str, Any] | None:
     """The module stack Dynamo recorded for a node (forward), or the one AOTAutograd copied to its
     backward counterpart."""
     return node.meta.get(NN_MODULE_STACK) or node.meta.get(FWD_NN_MODULE_STACK)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Makes torch's fake process group the default: rank `rank` of `world_size` in this process
+    alone, every collective returning at once and moving nothing (an all-gather repeats this
+    rank's part), so a dry run compiles and runs one rank's graphs of that world. torch registers
+    the backend and its store only under torch.testing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
