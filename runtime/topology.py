@@ -7,7 +7,8 @@ Groups, each created with the configured timeout so a dead peer raises instead o
 - intra_node: the ranks of this rank's node (qgZ's first hop);
 - inter_node: the ranks with this rank's local index on every node (qgZ's second hop);
 - secondary: hpZ's group of `hpz_partition_size` consecutive ranks, when hpZ is on;
-- agreement: all ranks again, over gloo, for the checks that ranks run the same collectives.
+- agreement: all ranks again, over gloo (in a dry run over torch's fake group, that group), for the
+  checks that ranks run the same collectives.
 """
 
 from __future__ import annotations

@@ -105,13 +105,14 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Config, 
         "joint_custom_post_pass": _StageHook(manager, "joint", cache),
         "post_grad_custom_pre_pass": _StageHook(manager, "lowering", cache),
         # Inductor times every configuration of a kernel that has several at its first run in a
-        # process with cold caches, and timing a kernel that writes a buffer larger than the memory
-        # the process has spare (the embedding's gradient) copies that buffer to the host and back
-        # for each run. Pointwise kernels get a second, smaller block, which in the timings of
-        # zeropp's and FSDP2's graphs lost or tied every time (docs/performance.md); a reduction
-        # whose registers limit its occupancy gets a second block size, and since Inductor stores
-        # no choice for a kernel that began with one configuration, it times both in every new
-        # process. Both keep Inductor's heuristic configuration; max_autotune still times them.
+        # process with cold caches, and a kernel that writes a buffer larger than the memory the
+        # process has spare (the embedding's gradient) has that buffer copied back from the host
+        # in each timed run. Pointwise kernels get a second, smaller block, which in the timings
+        # of zeropp's and FSDP2's graphs lost or tied every time (docs/performance.md); a
+        # reduction whose registers limit its occupancy gets a second block size, and since
+        # Inductor stores no choice for a kernel that began with one configuration, it times both
+        # in every new process. Both keep Inductor's heuristic configuration (max_autotune still
+        # times pointwise kernels' configurations).
         "triton.autotune_pointwise": False,
         "dynamic_scale_rblock": False,
     }

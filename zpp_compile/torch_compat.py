@@ -1,7 +1,8 @@
 """Every private torch API zeropp uses, and every check of what the installed torch can do.
 
 zeropp is a torch.compile backend, and some of what it needs torch offers only privately: how
-Inductor is entered and configured, Dynamo's and AOTAutograd's bookkeeping, DTensor's internals.
+Inductor is entered and configured, Dynamo's and AOTAutograd's bookkeeping, DTensor's internals,
+the fake process group of a dry run.
 All of it is reached through this module, each name with why, so that a torch upgrade that moves
 one breaks here, by name, and `tests/test_torch_compat.py` (seconds, no process group) says which.
 Where torch's behaviour differs between the versions zeropp runs on, a feature check below asks
