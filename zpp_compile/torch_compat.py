@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
@@ -175,8 +176,8 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     """Makes torch's fake process group the default: rank `rank` of `world_size` in this process
     alone, every collective returning at once and moving nothing (an all-gather repeats this
     rank's part), so a dry run compiles and runs one rank's graphs of that world. torch registers
-    the backend and its store only under torch.testing."""
-    import torch.distributed as dist
+    the backend and its store only under torch.testing, imported here so that zeropp's own import
+    does not load it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
