@@ -3,7 +3,8 @@
 The one guarded Triton import (without Triton the ops run their torch twins on every device),
 the one reading of ``TRITON_INTERPRET``, the NaN-propagating max and the rounding constant the
 kernels compute with, the float dtypes both techniques take, and the launch plumbing: the check
-that Triton can run a block size, SM count, 4-byte aligned byte buffers, the launch context.
+that Triton can run a block size, SM count, 4-byte aligned byte buffers, the launch context (and
+with it where compiled kernels are kept).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import os
 from collections.abc import Iterator
 
 import torch
+
+from ..torch_compat import cache_kernels_beside_inductors
 
 try:  # Triton is optional: without it the torch twins serve every device.
     import triton
@@ -80,10 +83,12 @@ def aligned_u8(buf: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def launch_context(t: torch.Tensor) -> Iterator[None]:
-    """Around a kernel launch: selects the tensor's CUDA device; under the interpreter, silences
-    numpy's warnings about casting the (discarded) codes of non-finite values."""
+    """Around a kernel launch: selects the tensor's CUDA device and has Triton keep the compiled
+    kernel in Inductor's cache folder, where a restarted job finds it; under the interpreter,
+    silences numpy's warnings about casting the (discarded) codes of non-finite values."""
     with contextlib.ExitStack() as stack:
         if t.is_cuda:
+            cache_kernels_beside_inductors(t.get_device())
             stack.enter_context(torch.cuda.device(t.device))
         if interpreting():
             import numpy as np

@@ -9,6 +9,7 @@ lowered to kernels); DTensors live on a fake process group of two ranks in this 
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 import torch
@@ -247,6 +248,18 @@ def test_dynamo_walks_the_parameters_of_a_module_unless_its_class_lists_them_its
         assert list(module.named_parameters()) == list(nn.Module.named_parameters(module))
         assert list(module.named_buffers(prefix="m")) == list(nn.Module.named_buffers(module, prefix="m"))
     torch.compiler.reset()
+
+
+def test_triton_keeps_kernels_in_inductors_folder_unless_the_user_chose_one(monkeypatch, tmp_path):
+    """Where Inductor keeps a device's compiled Triton kernels (its cache folder's triton/<device>),
+    zeropp's kernels go too; a TRITON_CACHE_DIR the user set is left as it is."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    tc.cache_kernels_beside_inductors(1)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "inductor" / "triton" / "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    tc.cache_kernels_beside_inductors(0)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_functional_collectives_zeropp_issues_exist():

@@ -7,6 +7,9 @@ values written out from the spec.
 
 import functools
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -412,3 +415,28 @@ def test_cuda_bucket_kernels_match_twins(dtype):
                            wq.quantize_weight_reference(row, B))
     expected = members_of(wq.dequantize_bucket_reference(packed.cpu(), segments, sizes, B, dtype), R, sizes)
     assert_same_members(torch.ops.zpp.dequantize_bucket(packed, segments, sizes, B, dtype).cpu(), R, sizes, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_restarted_process_compiles_no_quantization_kernel_again(tmp_path):
+    """The kernels one process compiled, the next finds: both keep them in Inductor's cache folder,
+    whether or not Inductor has built a kernel before zeropp's first launch (in a job restarted
+    from Inductor's caches it has not), and none in Triton's default folder."""
+    script = ("import torch; from zpp_compile.runtime import weight_quant; "
+              "x = torch.randn((1 << 16) + 3, device='cuda'); "
+              "torch.ops.zpp.dequantize_weight(torch.ops.zpp.quantize_weight(x, 256), x.numel(), 256, x.dtype); "
+              "torch.cuda.synchronize()")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_CACHE_DIR"}
+    env |= {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_HOME": str(tmp_path / "home")}
+    kept = tmp_path / "inductor" / "triton" / "0"
+
+    def kernel_files() -> dict[str, int]:
+        return {str(path): path.stat().st_mtime_ns for path in kept.rglob("*") if path.is_file()}
+
+    subprocess.run([sys.executable, "-c", script], env=env, check=True)
+    compiled = kernel_files()
+    assert compiled, f"no compiled kernel under {kept}"
+    subprocess.run([sys.executable, "-c", script], env=env, check=True)
+    assert kernel_files() == compiled  # found, not compiled and written again
+    assert not (tmp_path / "home" / ".triton" / "cache").exists()

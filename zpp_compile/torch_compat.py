@@ -19,6 +19,7 @@ Dynamo's `EXAMPLE_VALUE`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: F401
 # folder, where the communication ledger's record of a cached graph goes.
 from torch._inductor import config as inductor_config  # noqa: F401
 from torch._inductor.runtime.runtime_utils import cache_dir as inductor_cache_dir  # noqa: F401
+# Inductor's folder for a device's compiled Triton kernels (TRITON_CACHE_DIR when the user set it).
+from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 # Debug mode: the passes under AOTAutograd without Inductor (how torch builds such backends).
 from torch._dynamo.backends.common import aot_autograd  # noqa: F401
 # Replacement subgraphs are traced with Inductor's decompositions and the graph's own fake mode,
@@ -95,6 +98,17 @@ class ListedWithoutDynamoWalks:
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
         return super().named_buffers(*args, **kwargs)  # type: ignore[misc]
+
+
+def cache_kernels_beside_inductors(device_index: int) -> None:
+    """Points Triton's compiled-kernel cache at Inductor's folder for the device, unless the user
+    chose one (TRITON_CACHE_DIR), as Inductor does when it builds its first kernel. zeropp's
+    quantization kernels launch from eager custom ops: in a restarted job, whose graphs come from
+    Inductor's caches, they can launch before Inductor builds any kernel, and would look in, and
+    compile into, Triton's default folder, which the first job (Inductor's variable set by then)
+    never filled; every restart would compile them again."""
+    if "TRITON_CACHE_DIR" not in os.environ:
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device_index)
 
 
 def inductor_mode_options(mode: str) -> dict[str, Any]:
