@@ -11,6 +11,7 @@ from .fold_bucket_copies import fold_bucket_copies
 from .gather_once import gather_once
 from .hierarchical_partition import hierarchical_partition
 from .lower_collectives import lower_collectives
+from .prefetch_across_layers import prefetch_across_layers
 from .quantize_gradients import quantize_gradients
 from .quantize_weights import quantize_weights
 from .realize_shared_values import realize_shared_values
@@ -32,6 +33,9 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("quantize_gradients", "lowering", quantize_gradients,
               wanted=lambda config: config.quantized_gradients),
     GraphPass("lower_collectives", "lowering", lower_collectives),
+    # Holds run-time state across graphs, which a CUDA graph's replay would not consult.
+    GraphPass("prefetch_across_layers", "lowering", prefetch_across_layers,
+              wanted=lambda config: config.compile_layers_once and not config.cuda_graphs),
     GraphPass("fold_bucket_copies", "lowering", fold_bucket_copies),
     GraphPass("realize_shared_values", "lowering", realize_shared_values),
     GraphPass("schedule_overlap", "lowering", schedule_overlap),

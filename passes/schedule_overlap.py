@@ -4,9 +4,11 @@ reductions waited for only when the next one starts."""
 from __future__ import annotations
 
 import networkx
+import torch
 import torch.fx as fx
 
 from ..runtime.collectives import ALL_GATHERS
+from ..runtime import prefetch as _registers_gather_prefetched  # noqa: F401
 from ..torch_compat import C10D_FUNCTIONAL
 from .base import PassContext
 from .fx_util import ancestors, backward_nodes, descendants
@@ -14,6 +16,8 @@ from .fx_util import ancestors, backward_nodes, descendants
 _c10d = C10D_FUNCTIONAL
 COLLECTIVES = (*ALL_GATHERS, _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
 WAIT = _c10d.wait_tensor.default
+# A layer graph's first gather, issued during the graph before (prefetch_across_layers): its own wait.
+PREFETCHED = torch.ops.zpp.gather_prefetched.default
 
 
 def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:
@@ -38,6 +42,7 @@ def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:
     # gradient reduce it, all-gathers among them (a two-node gradient exchange is one).
     from_gradients = backward_nodes(graph)
     gathers = [c for c in collectives if c.target in ALL_GATHERS and c not in from_gradients]
+    gathers += [n for n in nodes if n.target is PREFETCHED]
     reductions = [c for c in collectives if c not in gathers]
     _prefetch_gathers(gathers, ctx.config.prefetch, rank)
     _defer_reductions(reductions, nodes, rank)
@@ -45,6 +50,8 @@ def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:
 
 
 def _wait_of(collective: fx.Node) -> fx.Node:
+    if collective.target is PREFETCHED:
+        return collective
     return next(u for u in collective.users if u.target is WAIT)
 
 

@@ -18,7 +18,7 @@ from torch.fx.operator_schemas import normalize_function
 import torch.nn.functional as F
 
 from ..torch_compat import OpOverload, cuda_graph_unsafe_tags
-from . import grad_quant, weight_quant  # noqa: F401  (register the quantization ops)
+from . import grad_quant, prefetch, weight_quant  # noqa: F401  (register the quantization and prefetch ops)
 from .buckets import join_shards, member_starts, split_rows
 from .collectives import all_gather, all_to_all, all_to_all_between_nodes, reduce_scatter_sum
 from .registry import REGISTRY
@@ -393,6 +393,18 @@ class DequantizeWeightArgs(NamedTuple):
     dtype: torch.dtype
 
 
+class GatherPrefetchedArgs(NamedTuple):
+    """The arguments of a `zpp::gather_prefetched` node."""
+
+    inputs: list[fx.Node]
+    program: str
+    gathered_numel: int
+    dtype: torch.dtype
+    backward: bool
+    group_size: int
+    group_name: str
+
+
 def gather_param_args(node: fx.Node) -> GatherParamArgs:
     return GatherParamArgs(**_named_arguments(node, torch.ops.zpp.all_gather_param.default))
 
@@ -419,6 +431,10 @@ def split_bucket_args(node: fx.Node) -> SplitBucketArgs:
 
 def dequantize_weight_args(node: fx.Node) -> DequantizeWeightArgs:
     return DequantizeWeightArgs(**_named_arguments(node, torch.ops.zpp.dequantize_weight.default))
+
+
+def gather_prefetched_args(node: fx.Node) -> GatherPrefetchedArgs:
+    return GatherPrefetchedArgs(**_named_arguments(node, torch.ops.zpp.gather_prefetched.default))
 
 
 def _named_arguments(node: fx.Node, op: OpOverload) -> dict[str, Any]:

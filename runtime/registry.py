@@ -1,4 +1,4 @@
-"""The runtime registry: the process-wide mutable state of zeropp, kept explicit, in two parts.
+"""The runtime registry: the process-wide mutable state of zeropp, kept explicit, in three parts.
 
 `REGISTRY` (sharding state) remembers what `shard` decided and what outlives a single call for
 the sharded models: the process groups built for each topology (creating them is a collective
@@ -13,6 +13,9 @@ on (runtime.agreement), which layer ran which of the graphs compiled per layer, 
 watches Config.cuda_graphs' calls, and the passes' traced helper functions (reused by every
 identical layer), which are kept with the fake mode of the compilation they serve and so go with
 it (and with `torch.compiler.reset()`).
+
+`PREFETCH` (run state) remembers, for the layer graphs of Config.compile_layers_once, which weight
+gather followed which in the previous step and the one issued ahead of its call (runtime.prefetch).
 """
 
 from __future__ import annotations
@@ -100,5 +103,29 @@ class Registry:
         return next((i for i, known in enumerate(self.states) if known == state and id(known) not in live), None)
 
 
+@dataclass
+class PrefetchState:
+    """What `runtime.prefetch` knows of the calls of `zpp::gather_prefetched`: the gather issued
+    ahead (the call it was issued for, the memory of the shards it read, its result, valid after
+    its wait, and its parameters' versions), the latest call, the call that followed each one in
+    the previous step (with the memory of its shards), the shards layers' forwards read and their
+    layers, by memory, and each shard's parameter."""
+
+    pending: tuple[Any, tuple, tuple, Any] | None = None
+    previous: Any = None
+    first: Any = None  # the first call since the sequence last started
+    successors: dict[Any, tuple[Any, tuple]] = field(default_factory=dict)
+    shards: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    layers: dict[tuple, tuple[int, str]] = field(default_factory=dict)
+    parameters: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # shard -> its parameter, weakly
+    hits: int = 0  # calls that took a gather issued ahead
+    misses: int = 0  # calls that gathered themselves
+    dropped: int = 0  # gathers issued ahead for a call that did not come
+
+    def reset(self) -> None:
+        self.__dict__.update(vars(PrefetchState()))
+
+
 REGISTRY = Registry()
 COMPILATION = CompilationRegistry()
+PREFETCH = PrefetchState()

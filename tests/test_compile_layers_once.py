@@ -22,6 +22,7 @@ from zpp_compile.passes import PASSES, GraphPass
 from zpp_compile.passes.lower_collectives import lower_collectives
 from zpp_compile.dump import read_layer_runs
 from zpp_compile.ledger import CollectiveRecord, CommReport, GraphComm
+from zpp_compile.runtime.registry import PREFETCH
 from zpp_compile.runtime.topology import Group
 from zpp_compile.torch_compat import ListedWithoutDynamoWalks
 
@@ -262,12 +263,123 @@ def no_sync_layers_run(rank: int, world_size: int) -> None:
     no_sync_run(rank, world_size, compiled=True, config=zpp.Config(compile_layers_once=True))
 
 
+ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 1,
+             "quantized_gradients": True, "gradient_block_size": 32, "ranks_per_node": 1}
+NO_PREFETCH = ("prefetch_across_layers",)
+
+
+class SkippingStack(nn.Module):
+    """MLP layers, of which layer 1 is left out while `skip` is set."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MlpLayer(8) for _ in range(layers))
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            if not (index == 1 and self.skip):
+                x = layer(x)
+        return x
+
+
+def prefetched_steps(rank: int, world_size: int, build: Callable[[], nn.Module], loss_of: Callable, options: dict,
+                     steps: int = 3, inductor: bool = False, write_at: int | None = None,
+                     skip_at: int | None = None) -> tuple:
+    """`steps` SGD steps of `build()` with layers compiled once: each step's loss, the gathers
+    each step took from a prefetch, gathered itself and dropped, the step's collectives
+    (`comm_report`), and the trained weights. With `write_at`, that step writes to the last
+    layer's weights between forward and backward; with `skip_at`, that step skips a layer."""
+    torch.manual_seed(0)
+    model = zpp.shard(build().to(device()), zpp.Config(compile_layers_once=True, **options))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(model, backend="zeropp", options={"inductor": inductor})
+    zpp.reset_comm_report()
+    losses, counts = [], []
+    for index in range(steps):
+        PREFETCH.hits = PREFETCH.misses = PREFETCH.dropped = 0
+        if skip_at is not None:
+            model.skip = index == skip_at
+        loss = loss_of(step, rank, world_size, index)
+        if index == write_at:
+            with torch.no_grad():
+                last = list(model.modules())[-1]
+                last.weight.mul_(0.5)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+        counts.append((PREFETCH.hits, PREFETCH.misses, PREFETCH.dropped))
+    return losses, counts, zpp.comm_report().by_phase(), zpp.full_state_dict(model)
+
+
+def llama_loss(step: Callable, rank: int, world_size: int, index: int) -> torch.Tensor:
+    tokens = batches(index + 1, world_size, PER_RANK, vocab=VOCAB)[index][0].to(device())
+    mine = tokens[rank * PER_RANK:(rank + 1) * PER_RANK]
+    return step(input_ids=mine, labels=mine).loss
+
+
+def stack_loss(step: Callable, rank: int, world_size: int, index: int) -> torch.Tensor:
+    x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(index)).to(device())
+    return step(x[rank * 2:(rank + 1) * 2]).pow(2).mean()
+
+
+def assert_same_training(with_prefetch: tuple, without: tuple, exact: bool = True) -> None:
+    """The same losses, collectives and weights with and without the pass."""
+    losses, _, report, weights = with_prefetch
+    other_losses, _, other_report, other_weights = without
+    assert report == other_report
+    compare = torch.testing.assert_close if not exact else (lambda a, b, **_: torch.testing.assert_close(
+        a, b, rtol=0, atol=0))
+    compare(torch.stack(losses), torch.stack(other_losses), rtol=1e-6, atol=1e-7)
+    for key, value in weights.items():
+        compare(value, other_weights[key], rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+def prefetch_run(rank: int, world_size: int) -> None:
+    """Each layer graph's first gather is taken from the one issued during the previous layer's
+    graph: every gather of a step but the first layer's forward (plain ZeRO-3), every forward
+    gather but the first (all three, whose backward gathers nothing across ranks with one rank per
+    node), from the second step on, with nothing issued in vain; and the training is the same to
+    the bit, collectives included, as with the pass switched off."""
+    transformers = pytest.importorskip("transformers")
+    build = lambda: llama(transformers)  # noqa: E731
+    for options, taken in (({}, 2 * LAYERS - 1), (ALL_THREE, LAYERS - 1)):
+        with_prefetch = prefetched_steps(rank, world_size, build, llama_loss, options)
+        without = prefetched_steps(rank, world_size, build, llama_loss, {**options, "disable_passes": NO_PREFETCH})
+        assert with_prefetch[1] == [(0, taken + 1, 0)] + [(taken, 1, 0)] * 2, (options, with_prefetch[1])
+        assert without[1] == [(0, 0, 0)] * 3
+        assert_same_training(with_prefetch, without)
+
+
+def prefetch_misguessed_run(rank: int, world_size: int) -> None:
+    """A step that skips a layer, and a weight written between forward and backward: the gathers
+    issued for them go unused (and are waited for, on every rank alike), and the training is the
+    same as without the pass; under Inductor too, to fp32 rounding."""
+    def compare(inductor: bool, **kwargs) -> list:
+        runs = [prefetched_steps(rank, world_size, SkippingStack, stack_loss, {"disable_passes": disabled},
+                                 steps=4, inductor=inductor, **kwargs)
+                for disabled in ((), NO_PREFETCH)]
+        assert_same_training(*runs, exact=not inductor)
+        return runs[0][1]
+
+    # 4 layers, 8 gathers a step: all but the first layer's forward taken from step 1 on. Step 2
+    # skips layer 1: the gathers issued for layer 1 in forward and backward go unused, and
+    # layers 2 and 0 gather themselves; step 3 runs layer 1 again, which layers 0 and 2 did not
+    # issue (step 2 came between), and then finds its pattern again.
+    for inductor in (False, True):
+        assert compare(inductor, skip_at=2) == [(0, 8, 0), (7, 1, 0), (3, 3, 2), (5, 3, 2)], inductor
+    # The last layer's weight written after forward: its backward gathers the new weight afresh.
+    assert compare(False, write_at=1)[1] == (6, 2, 1)
+
+
 @pytest.mark.distributed
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
     run_ranks(in_turn, 2, {"hf llama": (compile_once_run,), "numbered layers": (numbered_layers_run,),
                            "checkpointing": (checkpointing_layers_run,), "all three": (same_collectives_run,),
                            "inductor": (inductor_run,), "kv cache": (kv_cache_run,),
-                           "no sync": (no_sync_layers_run,)})
+                           "no sync": (no_sync_layers_run,), "prefetch": (prefetch_run,),
+                           "prefetch misguessed": (prefetch_misguessed_run,)})
 
 
 def test_a_layers_graph_counts_once_per_layer_that_ran_it_last():

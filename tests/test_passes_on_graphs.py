@@ -15,6 +15,7 @@ dtypes, and the recompute tags the partitioner obeys.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,12 +38,16 @@ from zpp_compile.passes.fx_util import ancestors, backward_nodes, layer_of, weig
 from zpp_compile.passes.gather_once import gather_once
 from zpp_compile.passes.hierarchical_partition import hierarchical_partition
 from zpp_compile.passes.lower_collectives import lower_collectives
+from zpp_compile.passes.prefetch_across_layers import prefetch_across_layers
 from zpp_compile.passes.quantize_gradients import quantize_gradients
 from zpp_compile.passes.quantize_weights import quantize_weights
 from zpp_compile.passes.reshard_after_forward import reshard_after_forward
+from zpp_compile.passes.schedule_overlap import schedule_overlap
 from zpp_compile.runtime.grad_quant_format import piece_bytes
+from zpp_compile.ledger import collectives_in_graph
 from zpp_compile.runtime.ops import (dequantize_weight_args, gather_flat_args, gather_param_args,
-                                     quantize_weight_args, reduce_grad_args)
+                                     gather_prefetched_args, quantize_weight_args, reduce_grad_args)
+from zpp_compile.runtime.prefetch import _compiled
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.torch_compat import C10D_FUNCTIONAL, RECOMPUTE
 
@@ -509,6 +514,49 @@ def test_lower_collectives__zpp_ops_become_plain_zero3_functional_collectives():
     assert divided.args[0].target is c10d.wait_tensor.default and divided.args[0].args[0] is scatter
     assert scatter.args[1] == "sum" and scatter.args[0].meta["val"].dtype == torch.float32
     graph.lint()
+
+
+def test_prefetch_across_layers__a_layer_graphs_first_gather_becomes_one_op_holding_its_program():
+    def lowered() -> fx.Graph:
+        graph = hand_written_lowering_graph()
+        lower_collectives(graph, context("backward", topology(0)))
+        return graph
+
+    graph = lowered()
+    ledger = collectives_in_graph(graph, topology(0))
+    first_wait = next(n for n in graph.nodes if n.target is c10d.wait_tensor.default)
+    readers = list(first_wait.users)
+    one_layer = dataclasses.replace(context("backward", topology(0)), one_layer=True)
+
+    prefetch_across_layers(graph, one_layer)
+
+    # The parameter's cast, padding, all-gather and wait are one op reading the shard; the second
+    # gather (of packed bytes) and the reduction stay as they were.
+    (prefetched,) = calls(graph, zpp_ops.gather_prefetched.default)
+    args = gather_prefetched_args(prefetched)
+    assert [n.name for n in args.inputs] == ["primals_1"] and list(prefetched.users) == readers
+    assert (args.gathered_numel, args.dtype, args.backward, args.group_size, args.group_name) == (
+        24, torch.bfloat16, True, 4, WORLD)
+    assert collectives(graph) == [("all_gather_into_tensor", WORLD, 4, torch.uint8, 36),
+                                  ("reduce_scatter_tensor", WORLD, 4, torch.float32, 24)]
+    assert not calls(graph, aten.constant_pad_nd.default)
+    # The program issues the collective and leaves its wait to the op; its code runs as it is.
+    assert "all_gather_into_tensor_out" in args.program and "wait_tensor" not in args.program
+    assert callable(_compiled(args.program))
+    # The ledger counts the op's gather as the gather it replaced.
+    assert collectives_in_graph(graph, topology(0)) == ledger
+    graph.lint()
+    # Overlap scheduling issues the graph's next gather before the op, which waits for its own.
+    schedule_overlap(graph, one_layer)
+    order = list(graph.nodes)
+    (flat_gather,) = calls(graph, c10d.all_gather_into_tensor_out.default)
+    assert order.index(flat_gather) < order.index(prefetched)
+    # The step's own graph (not a layer's) and a world of one are left as they are.
+    for ctx in (context("backward", topology(0)),
+                dataclasses.replace(one_layer, topology=dataclasses.replace(topology(0), world=Group(WORLD, (0,))))):
+        untouched = lowered()
+        prefetch_across_layers(untouched, ctx)
+        assert not calls(untouched, zpp_ops.gather_prefetched.default)
 
 
 def test_hierarchical_partition__a_group_of_one_keeps_the_whole_weight_and_backward_gathers_nothing():

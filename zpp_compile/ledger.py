@@ -18,6 +18,7 @@ import torch.fx as fx
 from . import text_table
 from .passes.fx_util import backward_nodes
 from .runtime.collectives import ALL_GATHERS
+from .runtime.ops import gather_prefetched_args
 from .runtime.topology import Group, Topology, bytes_per_peer, world_received_bytes
 from .torch_compat import C10D_FUNCTIONAL
 
@@ -158,14 +159,21 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
     of_gradients = backward_nodes(graph)
     records = {}
     for node in graph.nodes:
-        op = _OPS.get(node.target)
-        group = groups.get(str(node.args[-1])) if op else None
+        if node.target is torch.ops.zpp.gather_prefetched.default:  # an all-gather issued one call ahead
+            prefetched = gather_prefetched_args(node)
+            op, group = "all_gather", groups.get(prefetched.group_name)
+            dtype = prefetched.dtype
+            nbytes = prefetched.gathered_numel // prefetched.group_size * dtype.itemsize
+        else:
+            op = _OPS.get(node.target)
+            group = groups.get(str(node.args[-1])) if op else None
+            if group is not None:
+                value = node.args[0].meta["val"]
+                dtype, nbytes = value.dtype, value.numel() * value.element_size()
         if group is None:  # not a collective, or one of the user's own groups
             continue
-        value = node.args[0].meta["val"]
-        nbytes = value.numel() * value.element_size()
         intra, inter = topology.received_bytes(group, bytes_per_peer(op == "all_gather", nbytes, group.size))
-        records[node] = CollectiveRecord(op, group, value.dtype, intra, inter, node in of_gradients)
+        records[node] = CollectiveRecord(op, group, dtype, intra, inter, node in of_gradients)
     return records
 
 

@@ -36,6 +36,7 @@ from .initialization import (
 )
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
+from .runtime.prefetch import forget_calls
 from .runtime.registry import COMPILATION, REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
 from .torch_compat import TO_EMPTY_CONVERSION, ListedWithoutDynamoWalks
@@ -235,6 +236,7 @@ def _register(state: ShardingState) -> tuple[int, ShardingState]:
     ids stay equal across ranks. A collective call."""
     if state in REGISTRY.states:  # else nothing could be taken back: no full collection for the first model
         gc.collect()  # a deleted model that only reference cycles held is gone on every rank alike
+    forget_calls()  # the layer graphs' gather predictions, which name models by sharding id
     reusable = REGISTRY.reusable_id(state)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, reusable)

@@ -1,0 +1,101 @@
+"""Prefetch across layers: a layer graph's first weight gather, issued while the layer before computes.
+
+A layer compiled as a graph of its own (Config.compile_layers_once) starts its first gather when
+it is called, so that gather waits for nothing and nothing hides it: in forward, the layer's
+first bucket; in backward, its re-gather. This pass rewrites, in each lowered layer graph, the
+gather waited for first (from the graph's inputs: shards, or in backward hpZ's copies) with
+everything it is computed from (casts, padding, bucket copies, qwZ's quantization), its
+all-gather and its wait, into one `zpp::gather_prefetched` call that holds the rest as its
+program. At run time that op takes the result issued one call ahead and issues the next call's
+(`runtime/prefetch.py`), so every layer graph's first gather runs during the previous layer
+graph's compute, as FSDP2 prefetches the next block. It runs on nothing but layer graphs over
+more than one rank, right after lowering, while a bucket's copies are still one `zpp::join_bucket`
+(cheap to run outside Inductor); `schedule_overlap` then issues the graph's next gather before it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+from ..runtime.collectives import ALL_GATHERS
+from ..torch_compat import C10D_FUNCTIONAL
+from .base import PassContext
+from .fx_util import ancestors, backward_nodes
+
+_WAIT = C10D_FUNCTIONAL.wait_tensor.default
+_COLLECTIVE_NAMESPACE = "_c10d_functional"
+# Names an FX graph's code may use beyond torch's ops; `runtime.prefetch` runs the code with them.
+_PROGRAM_GLOBALS = {"torch", "device", "inf", "nan"}
+
+
+def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
+    """Replaces a layer graph's first weight gather by `zpp::gather_prefetched` (see the module)."""
+    if not ctx.one_layer or ctx.topology.world.size == 1:
+        return
+    first = _first_gather(graph)
+    if first is None:
+        return
+    collective, wait = first
+    if collective in backward_nodes(graph):
+        return  # a gradient's exchange, not a weight gather
+    chain = sorted(ancestors(collective) - {collective}, key=_position(graph))
+    inputs = [n for n in chain if n.op == "placeholder"]
+    computed = [n for n in chain if n.op != "placeholder"]
+    if not inputs or not _movable(computed, collective):
+        return
+    program = _program(inputs, computed, collective)
+    if program is None:
+        return
+    value = wait.meta["val"]
+    with graph.inserting_before(wait):
+        prefetched = graph.call_function(
+            torch.ops.zpp.gather_prefetched.default,
+            (inputs, program, value.numel(), value.dtype, ctx.kind == "backward", ctx.topology.world.size,
+             ctx.topology.world.name),
+        )
+    prefetched.meta["val"] = value
+    wait.replace_all_uses_with(prefetched)
+    for node in [wait, collective, *reversed(computed)]:
+        graph.erase_node(node)
+
+
+def _first_gather(graph: fx.Graph) -> tuple[fx.Node, fx.Node] | None:
+    """The all-gather whose wait comes first in the graph, and that wait."""
+    for node in graph.nodes:
+        if node.target is _WAIT and node.args[0].target in ALL_GATHERS:
+            return node.args[0], node
+    return None
+
+
+def _position(graph: fx.Graph):
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _movable(computed: list[fx.Node], collective: fx.Node) -> bool:
+    """Whether the nodes the gather is computed from serve it alone and can run outside the graph:
+    plain function calls, no other collective, none read by anything but the gather's chain."""
+    own = {*computed, collective}
+    return all(
+        node.op == "call_function" and getattr(node.target, "namespace", None) != _COLLECTIVE_NAMESPACE
+        and all(user in own for user in node.users)
+        for node in computed
+    ) and len(collective.users) == 1
+
+
+def _program(inputs: list[fx.Node], computed: list[fx.Node], collective: fx.Node) -> str | None:
+    """The source of an FX graph computing `collective` from `inputs` (its result not yet waited
+    for); None where its code would need names `runtime.prefetch` does not provide."""
+    program = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        copies[node] = program.placeholder(node.name)
+    for node in [*computed, collective]:
+        copies[node] = program.node_copy(node, copies.__getitem__)
+    program.output(copies[collective])
+    code = program.python_code(root_module="self")
+    used = {name for name in code.globals if re.search(rf"\b{re.escape(name)}\b", code.src)}
+    return code.src if used <= _PROGRAM_GLOBALS else None

@@ -1,0 +1,155 @@
+"""`zpp::gather_prefetched`: a layer graph's first weight gather, issued while the layer before computes.
+
+A layer compiled as a graph of its own (Config.compile_layers_once) can start its first gather
+only when it is called, after the previous layer's compute, so nothing hides that gather. This op
+holds the gather's whole program (the casts and copies that build the buffer the ranks exchange,
+and the collective) and runs it one call ahead: when a graph calls it, it issues the call that
+followed this one in the previous step, on the shards that call read, so the collective runs on
+the network library's stream while this layer computes; the next call takes the result.
+
+A call is known by what is the same on every rank: the layer (`layer_graphs.running`; in backward,
+the layer whose forward read the same shards), the program, and whether autograd's backward runs
+it. A prediction is only a head start: a call takes a prefetched result only if it is that call
+on the very shards it was issued for, their parameters unwritten since (their versions); anything
+else (a layer skipped, the order changed, a weight written) drops it and gathers afresh, so a
+wrong guess costs a gather, never a value. Predictions stay within the model whose layer is
+running, whose shards are alive on every rank alike, so every rank issues the same collectives in
+the same order. The sequence starts again at each step (a forward after backward, or its first
+call again): a gather issued at a step's end would read weights the optimizer has yet to write.
+One layer's gathered weights more are alive at a time, as with FSDP2's prefetch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..torch_compat import C10D_FUNCTIONAL, cuda_graph_unsafe_tags, dtensor_parts, in_autograd_backward
+from .registry import COMPILATION, PREFETCH, REGISTRY
+
+
+class GatherCall(NamedTuple):
+    """A call of the op, as every rank knows it."""
+
+    layer: tuple[int, str]  # (sharding id, qualified name)
+    program: str
+    in_backward: bool
+    grad_enabled: bool  # an evaluation's calls (under no_grad) are a sequence of their own
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """Where a shard is: a compiled step reads it through tensors made for each call (views in
+    forward, `local_shards`; saved copies of those in backward), which share it."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(program: str) -> Callable[..., torch.Tensor]:
+    """The program's Python source (an FX graph's code, `forward(self, *inputs)`) as a function."""
+    namespace = {"torch": torch, "device": torch.device, "inf": math.inf, "nan": math.nan}
+    exec(compile(program, "<zpp::gather_prefetched>", "exec"), namespace)  # zeropp's own FX code
+    return functools.partial(namespace["forward"], None)
+
+
+@torch.library.custom_op("zpp::gather_prefetched", mutates_args=(), tags=cuda_graph_unsafe_tags())
+def gather_prefetched(inputs: list[torch.Tensor], program: str, gathered_numel: int, dtype: torch.dtype,
+                      backward: bool, group_size: int, group_name: str) -> torch.Tensor:
+    """The result of `program` (the source of an FX graph that ends in an all-gather of
+    `gathered_numel` elements of `dtype` over `group_name`) on `inputs`: taken from the gather
+    issued ahead where that was this very call, else run now; then the call that followed this
+    one in the previous step is issued ahead. `backward`: the graph is a backward graph."""
+    memory = tuple(map(_memory, inputs))
+    call = _identify(inputs, memory, program, backward or in_autograd_backward())
+    pending, PREFETCH.pending = PREFETCH.pending, None
+    if pending is not None and call is not None and pending[:3] == (call, memory, _parameter_versions(memory)):
+        issued = pending[3]
+        PREFETCH.hits += 1
+    else:
+        if pending is not None:
+            C10D_FUNCTIONAL.wait_tensor(pending[3])  # a wrong guess, issued on every rank: its buffer can go
+            PREFETCH.dropped += 1
+        issued = _compiled(program)(*inputs)
+        PREFETCH.misses += 1
+    if call is not None:
+        _issue_following(call)
+    return C10D_FUNCTIONAL.wait_tensor(issued)
+
+
+def _identify(inputs: list[torch.Tensor], memory: tuple, program: str, in_backward: bool) -> GatherCall | None:
+    """This call as every rank knows it, with what it read remembered for the next step's
+    predictions; None for a call that reads something else than known shards (hpZ's copies,
+    made each step), which ends the sequence a prediction follows."""
+    layer = COMPILATION.running_layer
+    if layer is not None:  # a layer's forward (or its recompute in backward) reads the layer's own shards
+        for key, t in zip(memory, inputs):
+            shard = t if t._base is None else t._base  # what a view views: the shard, which outlives it
+            if _memory(shard) == key:
+                PREFETCH.shards[key], PREFETCH.layers[key] = shard, layer
+    layers = {PREFETCH.layers.get(key) if _shard_at(key) is not None else None for key in memory}
+    layer = layers.pop() if len(layers) == 1 else None
+    previous, PREFETCH.previous = PREFETCH.previous, None
+    if layer is None:
+        return None
+    call = GatherCall(layer, program, in_backward, torch.is_grad_enabled())
+    # The sequence starts again at a forward after backward, and where its first call comes again
+    # (the next step, where no gather of copies in backward ended it): a gather issued at the end
+    # of a step would be of weights the optimizer has not yet updated.
+    if previous is None or call == PREFETCH.first or (previous.in_backward and not in_backward):
+        PREFETCH.first = call
+    else:
+        PREFETCH.successors[previous] = (call, memory)
+    PREFETCH.previous = call
+    return call
+
+
+def _shard_at(key: tuple) -> torch.Tensor | None:
+    """The shard a layer's forward read at `key`, if it is alive and still there."""
+    shard = PREFETCH.shards.get(key)
+    return shard if shard is not None and _memory(shard) == key else None
+
+
+def _parameter_versions(memory: tuple) -> tuple[int, ...] | None:
+    """The versions of the parameters whose shards lie at `memory`: what a write to a parameter
+    (the optimizer's, or any other in place) changes. The shard's own version does not change, as
+    DTensor writes it below autograd."""
+    versions = []
+    for key in memory:
+        shard = _shard_at(key)
+        parameter = PREFETCH.parameters.get(shard) if shard is not None else None
+        if parameter is None or parameter() is None or dtensor_parts(parameter())[0] is not shard:
+            for param in list(REGISTRY.params.keys()):  # a shard not seen yet (or made anew): index them again
+                PREFETCH.parameters[dtensor_parts(param)[0]] = weakref.ref(param)
+            parameter = PREFETCH.parameters.get(shard) if shard is not None else None
+        if parameter is None or parameter() is None:
+            return None
+        versions.append(parameter()._version)
+    return tuple(versions)
+
+
+def _issue_following(call: GatherCall) -> None:
+    """Issues the call that followed `call` in the previous step, if it reads shards of the same
+    model (alive, then, on every rank)."""
+    following, memory = PREFETCH.successors.get(call, (None, ()))
+    if following is None or following.layer[0] != call.layer[0]:
+        return
+    shards = [_shard_at(key) for key in memory]
+    versions = _parameter_versions(memory)
+    if versions is not None:
+        PREFETCH.pending = (following, memory, versions, _compiled(following.program)(*shards))
+
+
+def forget_calls() -> None:
+    """Forgets every call (`shard` does, on every rank: a new model may take a gone one's sharding
+    id and memory), waiting for a gather issued ahead."""
+    if PREFETCH.pending is not None:
+        C10D_FUNCTIONAL.wait_tensor(PREFETCH.pending[3])
+    PREFETCH.reset()
+
+
+@gather_prefetched.register_fake
+def _(inputs, program, gathered_numel, dtype, backward, group_size, group_name):
+    return inputs[0].new_empty(gathered_numel, dtype=dtype)
