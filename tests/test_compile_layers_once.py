@@ -329,48 +329,44 @@ def assert_same_training(with_prefetch: tuple, without: tuple, exact: bool = Tru
     losses, _, report, weights = with_prefetch
     other_losses, _, other_report, other_weights = without
     assert report == other_report
-    compare = torch.testing.assert_close if not exact else (lambda a, b, **_: torch.testing.assert_close(
-        a, b, rtol=0, atol=0))
-    compare(torch.stack(losses), torch.stack(other_losses), rtol=1e-6, atol=1e-7)
+    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 1e-7}
+    torch.testing.assert_close(torch.stack(losses), torch.stack(other_losses), **tolerance)
     for key, value in weights.items():
-        compare(value, other_weights[key], rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(value, other_weights[key], **tolerance, msg=lambda m: f"{key}: {m}")
 
 
 def prefetch_run(rank: int, world_size: int) -> None:
     """Each layer graph's first gather is taken from the one issued during the previous layer's
     graph: every gather of a step but the first layer's forward (plain ZeRO-3), every forward
     gather but the first (all three, whose backward gathers nothing across ranks with one rank per
-    node), from the second step on, with nothing issued in vain; and the training is the same to
-    the bit, collectives included, as with the pass switched off."""
+    node) in the second step, with nothing issued in vain; and the training is the same to the
+    bit, collectives included, as with the pass switched off."""
     transformers = pytest.importorskip("transformers")
     build = lambda: llama(transformers)  # noqa: E731
     for options, taken in (({}, 2 * LAYERS - 1), (ALL_THREE, LAYERS - 1)):
-        with_prefetch = prefetched_steps(rank, world_size, build, llama_loss, options)
-        without = prefetched_steps(rank, world_size, build, llama_loss, {**options, "disable_passes": NO_PREFETCH})
-        assert with_prefetch[1] == [(0, taken + 1, 0)] + [(taken, 1, 0)] * 2, (options, with_prefetch[1])
-        assert without[1] == [(0, 0, 0)] * 3
+        with_prefetch = prefetched_steps(rank, world_size, build, llama_loss, options, steps=2)
+        without = prefetched_steps(rank, world_size, build, llama_loss, {**options, "disable_passes": NO_PREFETCH},
+                                   steps=2)
+        assert with_prefetch[1] == [(0, taken + 1, 0), (taken, 1, 0)], (options, with_prefetch[1])
+        assert without[1] == [(0, 0, 0)] * 2
         assert_same_training(with_prefetch, without)
 
 
 def prefetch_misguessed_run(rank: int, world_size: int) -> None:
-    """A step that skips a layer, and a weight written between forward and backward: the gathers
+    """A weight written between forward and backward, and a step that skips a layer: the gathers
     issued for them go unused (and are waited for, on every rank alike), and the training is the
     same as without the pass; under Inductor too, to fp32 rounding."""
-    def compare(inductor: bool, **kwargs) -> list:
+    for inductor in (False, True):
         runs = [prefetched_steps(rank, world_size, SkippingStack, stack_loss, {"disable_passes": disabled},
-                                 steps=4, inductor=inductor, **kwargs)
+                                 steps=4, inductor=inductor, write_at=1, skip_at=2)
                 for disabled in ((), NO_PREFETCH)]
         assert_same_training(*runs, exact=not inductor)
-        return runs[0][1]
-
-    # 4 layers, 8 gathers a step: all but the first layer's forward taken from step 1 on. Step 2
-    # skips layer 1: the gathers issued for layer 1 in forward and backward go unused, and
-    # layers 2 and 0 gather themselves; step 3 runs layer 1 again, which layers 0 and 2 did not
-    # issue (step 2 came between), and then finds its pattern again.
-    for inductor in (False, True):
-        assert compare(inductor, skip_at=2) == [(0, 8, 0), (7, 1, 0), (3, 3, 2), (5, 3, 2)], inductor
-    # The last layer's weight written after forward: its backward gathers the new weight afresh.
-    assert compare(False, write_at=1)[1] == (6, 2, 1)
+        # 4 layers, 8 gathers a step, all but the first layer's forward taken once the order is
+        # known; but step 1 writes the last layer's weight after forward, so its backward gathers
+        # the new weight afresh. Step 2 skips layer 1: the gathers issued for it in forward and
+        # backward go unused, and layers 2 and 0 gather themselves; step 3 runs layer 1 again,
+        # which layers 0 and 2 did not issue (step 2 came between), then finds its order again.
+        assert runs[0][1] == [(0, 8, 0), (6, 2, 1), (3, 3, 2), (5, 3, 2)], (inductor, runs[0][1])
 
 
 @pytest.mark.distributed

@@ -540,7 +540,7 @@ def test_prefetch_across_layers__a_layer_graphs_first_gather_becomes_one_op_hold
     assert collectives(graph) == [("all_gather_into_tensor", WORLD, 4, torch.uint8, 36),
                                   ("reduce_scatter_tensor", WORLD, 4, torch.float32, 24)]
     assert not calls(graph, aten.constant_pad_nd.default)
-    # The program issues the collective and leaves its wait to the op; its code runs as it is.
+    # The program issues the collective and leaves its wait to the op; its code is Python as it stands.
     assert "all_gather_into_tensor_out" in args.program and "wait_tensor" not in args.program
     assert callable(_compiled(args.program))
     # The ledger counts the op's gather as the gather it replaced.
