@@ -28,7 +28,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..torch_compat import C10D_FUNCTIONAL, cuda_graph_unsafe_tags, dtensor_parts, in_autograd_backward
+from ..torch_compat import (C10D_FUNCTIONAL, cuda_graph_unsafe_tags, dtensor_parts, in_autograd_backward,
+                            viewed_tensor, write_count)
 from .registry import COMPILATION, PREFETCH, REGISTRY
 
 
@@ -86,7 +87,7 @@ def _identify(inputs: list[torch.Tensor], memory: tuple, program: str, in_backwa
     layer = COMPILATION.running_layer
     if layer is not None:  # a layer's forward (or its recompute in backward) reads the layer's own shards
         for key, t in zip(memory, inputs):
-            shard = t if t._base is None else t._base  # what a view views: the shard, which outlives it
+            shard = viewed_tensor(t)
             if _memory(shard) == key:
                 PREFETCH.shards[key], PREFETCH.layers[key] = shard, layer
     layers = {PREFETCH.layers.get(key) if _shard_at(key) is not None else None for key in memory}
@@ -126,7 +127,7 @@ def _parameter_versions(memory: tuple) -> tuple[int, ...] | None:
             parameter = PREFETCH.parameters.get(shard) if shard is not None else None
         if parameter is None or parameter() is None:
             return None
-        versions.append(parameter()._version)
+        versions.append(write_count(parameter()))
     return tuple(versions)
 
 

@@ -316,6 +316,16 @@ def test_dtensor_parts_and_spec_constructor(mesh):
     assert isinstance(tc.dtensor_cache_keys_stable(), bool)
 
 
+def test_a_shards_views_lead_back_to_it_and_a_dtensor_write_counts_on_the_parameter(mesh):
+    local = torch.randn(2, 3)
+    assert tc.viewed_tensor(local.view_as(local)) is local and tc.viewed_tensor(local) is local
+    param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)]))
+    before = tc.write_count(param)
+    with torch.no_grad():
+        param.mul_(2)
+    assert tc.write_count(param) == before + 1
+
+
 def test_dynamo_reads_a_dtensor_shard_as_to_local_or_the_known_closure(mesh):
     param = nn.Parameter(DTensor.from_local(torch.randn(2, 3), mesh, [Shard(0)]))
     graph = dynamo_graph(lambda p: p.to_local() * 2, param)

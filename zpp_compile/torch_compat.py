@@ -150,6 +150,18 @@ def dtensor_parts(param: DTensor) -> tuple[torch.Tensor, Any]:
     return param._local_tensor, param._spec
 
 
+def viewed_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor `t` is a view of (`t` itself if it is none): a compiled step reads each shard
+    through a view made for the call, and only the shard outlives it. torch has no public accessor."""
+    return t if t._base is None else t._base
+
+
+def write_count(t: torch.Tensor) -> int:
+    """How often `t` was written in place (autograd's version counter, which torch exposes only as
+    this attribute): what tells a parameter written since a moment from one that was not."""
+    return t._version
+
+
 def dtensor_with_spec(local: torch.Tensor, spec: Any) -> DTensor:
     """A DTensor of `local` laid out as `spec` says, as `to_local()`'s backward makes a gradient;
     the public `DTensor.from_local` checks its arguments and builds a new spec, about five times
