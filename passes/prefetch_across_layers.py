@@ -32,7 +32,7 @@ _PROGRAM_GLOBALS = {"torch", "device", "inf", "nan"}
 
 
 def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
-    """Replaces a layer graph's first weight gather by `zpp::gather_prefetched` (see the module)."""
+    """Turns a layer graph's first weight gather into one issued during the layer graph before."""
     if not ctx.one_layer or ctx.topology.world.size == 1:
         return
     first = _first_gather(graph)
