@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import re
 
-import torch
 import torch.fx as fx
 
 from ..runtime.collectives import ALL_GATHERS
+from ..runtime.prefetch import GATHER_PREFETCHED
 from ..torch_compat import C10D_FUNCTIONAL
 from .base import PassContext
 from .fx_util import ancestors, backward_nodes
@@ -41,7 +41,7 @@ def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
     collective, wait = first
     if collective in backward_nodes(graph):
         return  # a gradient's exchange, not a weight gather
-    chain = sorted(ancestors(collective) - {collective}, key=_position(graph))
+    chain = sorted(ancestors(collective) - {collective})  # nodes compare by graph position
     inputs = [n for n in chain if n.op == "placeholder"]
     computed = [n for n in chain if n.op != "placeholder"]
     if not inputs or not _movable(computed, collective):
@@ -52,7 +52,7 @@ def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
     value = wait.meta["val"]
     with graph.inserting_before(wait):
         prefetched = graph.call_function(
-            torch.ops.zpp.gather_prefetched.default,
+            GATHER_PREFETCHED,
             (inputs, program, value.numel(), value.dtype, ctx.kind == "backward", ctx.topology.world.size,
              ctx.topology.world.name),
         )
@@ -68,11 +68,6 @@ def _first_gather(graph: fx.Graph) -> tuple[fx.Node, fx.Node] | None:
         if node.target is _WAIT and node.args[0].target in ALL_GATHERS:
             return node.args[0], node
     return None
-
-
-def _position(graph: fx.Graph):
-    order = {node: index for index, node in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 def _movable(computed: list[fx.Node], collective: fx.Node) -> bool:

@@ -4,11 +4,10 @@ reductions waited for only when the next one starts."""
 from __future__ import annotations
 
 import networkx
-import torch
 import torch.fx as fx
 
 from ..runtime.collectives import ALL_GATHERS
-from ..runtime import prefetch as _registers_gather_prefetched  # noqa: F401
+from ..runtime.prefetch import GATHER_PREFETCHED
 from ..torch_compat import C10D_FUNCTIONAL
 from .base import PassContext
 from .fx_util import ancestors, backward_nodes, descendants
@@ -17,7 +16,7 @@ _c10d = C10D_FUNCTIONAL
 COLLECTIVES = (*ALL_GATHERS, _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
 WAIT = _c10d.wait_tensor.default
 # A layer graph's first gather, issued during the graph before (prefetch_across_layers): its own wait.
-PREFETCHED = torch.ops.zpp.gather_prefetched.default
+PREFETCHED = GATHER_PREFETCHED
 
 
 def schedule_overlap(graph: fx.Graph, ctx: PassContext) -> None:

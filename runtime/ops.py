@@ -434,7 +434,7 @@ def dequantize_weight_args(node: fx.Node) -> DequantizeWeightArgs:
 
 
 def gather_prefetched_args(node: fx.Node) -> GatherPrefetchedArgs:
-    return GatherPrefetchedArgs(**_named_arguments(node, torch.ops.zpp.gather_prefetched.default))
+    return GatherPrefetchedArgs(**_named_arguments(node, prefetch.GATHER_PREFETCHED))
 
 
 def _named_arguments(node: fx.Node, op: OpOverload) -> dict[str, Any]:

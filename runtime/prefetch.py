@@ -42,6 +42,16 @@ class GatherCall(NamedTuple):
     grad_enabled: bool  # an evaluation's calls (under no_grad) are a sequence of their own
 
 
+class Issued(NamedTuple):
+    """A gather issued ahead: for which call, on the shards at which memory, at which parameter
+    versions, and its result (valid after its wait)."""
+
+    call: GatherCall
+    memory: tuple
+    versions: tuple[int, ...]
+    result: torch.Tensor
+
+
 def _memory(t: torch.Tensor) -> tuple:
     """Where a shard is: a compiled step reads it through tensors made for each call (views in
     forward, `local_shards`; saved copies of those in backward), which share it."""
@@ -66,12 +76,13 @@ def gather_prefetched(inputs: list[torch.Tensor], program: str, gathered_numel: 
     memory = tuple(map(_memory, inputs))
     call = _identify(inputs, memory, program, backward or in_autograd_backward())
     pending, PREFETCH.pending = PREFETCH.pending, None
-    if pending is not None and call is not None and pending[:3] == (call, memory, _parameter_versions(memory)):
-        issued = pending[3]
+    if (pending is not None and (pending.call, pending.memory) == (call, memory)
+            and pending.versions == _parameter_versions(memory)):
+        issued = pending.result
         PREFETCH.hits += 1
     else:
         if pending is not None:
-            C10D_FUNCTIONAL.wait_tensor(pending[3])  # a wrong guess, issued on every rank: its buffer can go
+            C10D_FUNCTIONAL.wait_tensor(pending.result)  # a wrong guess, issued on every rank: its buffer can go
             PREFETCH.dropped += 1
         issued = _compiled(program)(*inputs)
         PREFETCH.misses += 1
@@ -84,13 +95,13 @@ def _identify(inputs: list[torch.Tensor], memory: tuple, program: str, in_backwa
     """This call as every rank knows it, with what it read remembered for the next step's
     predictions; None for a call that reads something else than known shards (hpZ's copies,
     made each step), which ends the sequence a prediction follows."""
-    layer = COMPILATION.running_layer
-    if layer is not None:  # a layer's forward (or its recompute in backward) reads the layer's own shards
+    running = COMPILATION.running_layer
+    if running is not None:  # a layer's forward (or its recompute in backward) reads the layer's own shards
         for key, t in zip(memory, inputs):
             shard = viewed_tensor(t)
             if _memory(shard) == key:
-                PREFETCH.shards[key], PREFETCH.layers[key] = shard, layer
-    layers = {PREFETCH.layers.get(key) if _shard_at(key) is not None else None for key in memory}
+                PREFETCH.shards[key] = (weakref.ref(shard), running)
+    layers = {_read_at(key)[1] for key in memory}
     layer = layers.pop() if len(layers) == 1 else None
     previous, PREFETCH.previous = PREFETCH.previous, None
     if layer is None:
@@ -107,10 +118,11 @@ def _identify(inputs: list[torch.Tensor], memory: tuple, program: str, in_backwa
     return call
 
 
-def _shard_at(key: tuple) -> torch.Tensor | None:
-    """The shard a layer's forward read at `key`, if it is alive and still there."""
-    shard = PREFETCH.shards.get(key)
-    return shard if shard is not None and _memory(shard) == key else None
+def _read_at(key: tuple) -> tuple[torch.Tensor, tuple[int, str]] | tuple[None, None]:
+    """The shard a layer's forward read at `key`, and that layer, if the shard is alive and still there."""
+    ref, layer = PREFETCH.shards.get(key, (lambda: None, None))
+    shard = ref()
+    return (shard, layer) if shard is not None and _memory(shard) == key else (None, None)
 
 
 def _parameter_versions(memory: tuple) -> tuple[int, ...] | None:
@@ -119,16 +131,25 @@ def _parameter_versions(memory: tuple) -> tuple[int, ...] | None:
     DTensor writes it below autograd."""
     versions = []
     for key in memory:
-        shard = _shard_at(key)
-        parameter = PREFETCH.parameters.get(shard) if shard is not None else None
-        if parameter is None or parameter() is None or dtensor_parts(parameter())[0] is not shard:
+        shard, _ = _read_at(key)
+        if shard is None:
+            return None
+        parameter = _parameter_of(shard)
+        if parameter is None:
             for param in list(REGISTRY.params.keys()):  # a shard not seen yet (or made anew): index them again
                 PREFETCH.parameters[dtensor_parts(param)[0]] = weakref.ref(param)
-            parameter = PREFETCH.parameters.get(shard) if shard is not None else None
-        if parameter is None or parameter() is None:
+            parameter = _parameter_of(shard)
+        if parameter is None:
             return None
-        versions.append(write_count(parameter()))
+        versions.append(write_count(parameter))
     return tuple(versions)
+
+
+def _parameter_of(shard: torch.Tensor) -> torch.Tensor | None:
+    """The parameter `shard` is the local shard of, as last indexed, if it still is."""
+    ref = PREFETCH.parameters.get(shard)
+    parameter = ref() if ref is not None else None
+    return parameter if parameter is not None and dtensor_parts(parameter)[0] is shard else None
 
 
 def _issue_following(call: GatherCall) -> None:
@@ -137,20 +158,23 @@ def _issue_following(call: GatherCall) -> None:
     following, memory = PREFETCH.successors.get(call, (None, ()))
     if following is None or following.layer[0] != call.layer[0]:
         return
-    shards = [_shard_at(key) for key in memory]
     versions = _parameter_versions(memory)
     if versions is not None:
-        PREFETCH.pending = (following, memory, versions, _compiled(following.program)(*shards))
+        shards = [_read_at(key)[0] for key in memory]
+        PREFETCH.pending = Issued(following, memory, versions, _compiled(following.program)(*shards))
 
 
 def forget_calls() -> None:
     """Forgets every call (`shard` does, on every rank: a new model may take a gone one's sharding
     id and memory), waiting for a gather issued ahead."""
     if PREFETCH.pending is not None:
-        C10D_FUNCTIONAL.wait_tensor(PREFETCH.pending[3])
+        C10D_FUNCTIONAL.wait_tensor(PREFETCH.pending.result)
     PREFETCH.reset()
 
 
 @gather_prefetched.register_fake
 def _(inputs, program, gathered_numel, dtype, backward, group_size, group_name):
     return inputs[0].new_empty(gathered_numel, dtype=dtype)
+
+
+GATHER_PREFETCHED = torch.ops.zpp.gather_prefetched.default  # as graphs call it

@@ -106,17 +106,15 @@ class Registry:
 @dataclass
 class PrefetchState:
     """What `runtime.prefetch` knows of the calls of `zpp::gather_prefetched`: the gather issued
-    ahead (the call it was issued for, the memory of the shards it read, its result, valid after
-    its wait, and its parameters' versions), the latest call, the call that followed each one in
-    the previous step (with the memory of its shards), the shards layers' forwards read and their
-    layers, by memory, and each shard's parameter."""
+    ahead (`prefetch.Issued`), the latest call, the call that followed each one in the previous
+    step (with the memory of its shards), each shard a layer's forward read (weakly) with that
+    layer, by memory, and each shard's parameter."""
 
-    pending: tuple[Any, tuple, tuple, Any] | None = None
+    pending: Any = None
     previous: Any = None
     first: Any = None  # the first call since the sequence last started
     successors: dict[Any, tuple[Any, tuple]] = field(default_factory=dict)
-    shards: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
-    layers: dict[tuple, tuple[int, str]] = field(default_factory=dict)
+    shards: dict[tuple, tuple[weakref.ref, tuple[int, str]]] = field(default_factory=dict)
     parameters: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # shard -> its parameter, weakly
     hits: int = 0  # calls that took a gather issued ahead
     misses: int = 0  # calls that gathered themselves

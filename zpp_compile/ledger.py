@@ -19,6 +19,7 @@ from . import text_table
 from .passes.fx_util import backward_nodes
 from .runtime.collectives import ALL_GATHERS
 from .runtime.ops import gather_prefetched_args
+from .runtime.prefetch import GATHER_PREFETCHED
 from .runtime.topology import Group, Topology, bytes_per_peer, world_received_bytes
 from .torch_compat import C10D_FUNCTIONAL
 
@@ -159,7 +160,7 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
     of_gradients = backward_nodes(graph)
     records = {}
     for node in graph.nodes:
-        if node.target is torch.ops.zpp.gather_prefetched.default:  # an all-gather issued one call ahead
+        if node.target is GATHER_PREFETCHED:  # an all-gather issued one call ahead
             prefetched = gather_prefetched_args(node)
             op, group = "all_gather", groups.get(prefetched.group_name)
             dtype = prefetched.dtype
