@@ -7,6 +7,7 @@ Each entry can be switched off by name (Config.disable_passes, or `zeropp --disa
 from .base import GraphPass, PassContext
 from .bucket_collectives import bucket_collectives
 from .checkpoint_activations import checkpoint_activations
+from .finish_reductions_later import finish_reductions_later
 from .fold_bucket_copies import fold_bucket_copies
 from .gather_once import gather_once
 from .hierarchical_partition import hierarchical_partition
@@ -33,12 +34,14 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("quantize_gradients", "lowering", quantize_gradients,
               wanted=lambda config: config.quantized_gradients),
     GraphPass("lower_collectives", "lowering", lower_collectives),
-    # Holds run-time state across graphs, which a CUDA graph's replay would not consult.
+    # These two hold run-time state across graphs, which a CUDA graph's replay would not consult.
     GraphPass("prefetch_across_layers", "lowering", prefetch_across_layers,
               wanted=lambda config: config.compile_layers_once and not config.cuda_graphs),
     GraphPass("fold_bucket_copies", "lowering", fold_bucket_copies),
     GraphPass("realize_shared_values", "lowering", realize_shared_values),
     GraphPass("schedule_overlap", "lowering", schedule_overlap),
+    GraphPass("finish_reductions_later", "lowering", finish_reductions_later,
+              wanted=lambda config: config.compile_layers_once and not config.cuda_graphs),
 )
 
 __all__ = ["PASSES", "GraphPass", "PassContext"]

@@ -91,6 +91,10 @@ class PassContext:
     buckets_within_layers: bool = True
     # The graph is one layer's own (Config.compile_layers_once): every node belongs to that layer.
     one_layer: bool = False
+    # The graph's local-shard inputs (`local_shards`), which `LocalShards` hands the gradients of to
+    # their parameters: (the graph's number of inputs, their positions), where every input is a
+    # plain tensor, so that a backward graph's outputs are the inputs' gradients in their order.
+    shard_inputs: tuple[int, tuple[int, ...]] | None = None
 
     def layer_of(self, node: fx.Node) -> str | None:
         """The layer whose forward `node` belongs to (`fx_util.layer_of`); in one layer's own

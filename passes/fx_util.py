@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..runtime.ops import gather_param_args
+from ..runtime.programs import PROGRAM_NAMES
 from ..runtime.registry import COMPILATION
 from ..torch_compat import OpOverload, detect_fake_mode, node_module_stack, select_decomp_table
 
@@ -211,3 +212,19 @@ def _closure(node: fx.Node, step: Callable[[fx.Node], Any]) -> set[fx.Node]:
             found.add(current)
             todo.extend(step(current))
     return found
+
+
+def program_source(inputs: list[fx.Node], nodes: list[fx.Node], results: list[fx.Node]) -> str | None:
+    """The source of an FX graph that computes `results` from `inputs` through `nodes` (in graph
+    order), for a run-time op to run (`runtime.programs`); None where its code would need names
+    that the op does not provide. A single result is returned as itself, several as a tuple."""
+    program = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        copies[node] = program.placeholder(node.name)
+    for node in nodes:
+        copies[node] = program.node_copy(node, copies.__getitem__)
+    program.output(copies[results[0]] if len(results) == 1 else tuple(copies[r] for r in results))
+    code = program.python_code(root_module="self")
+    used = {name for name in code.globals if re.search(rf"\b{re.escape(name)}\b", code.src)}
+    return code.src if used <= PROGRAM_NAMES.keys() else None

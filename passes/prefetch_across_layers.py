@@ -15,20 +15,16 @@ more than one rank, right after lowering, while a bucket's copies are still one 
 
 from __future__ import annotations
 
-import re
-
 import torch.fx as fx
 
 from ..runtime.collectives import ALL_GATHERS
 from ..runtime.prefetch import GATHER_PREFETCHED
 from ..torch_compat import C10D_FUNCTIONAL
 from .base import PassContext
-from .fx_util import ancestors, backward_nodes
+from .fx_util import ancestors, backward_nodes, program_source
 
 _WAIT = C10D_FUNCTIONAL.wait_tensor.default
 _COLLECTIVE_NAMESPACE = "_c10d_functional"
-# Names an FX graph's code may use beyond torch's ops; `runtime.prefetch` runs the code with them.
-_PROGRAM_GLOBALS = {"torch", "device", "inf", "nan"}
 
 
 def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
@@ -46,7 +42,7 @@ def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
     computed = [n for n in chain if n.op != "placeholder"]
     if not inputs or not _movable(computed, collective):
         return
-    program = _program(inputs, computed, collective)
+    program = program_source(inputs, [*computed, collective], [collective])
     if program is None:
         return
     value = wait.meta["val"]
@@ -79,18 +75,3 @@ def _movable(computed: list[fx.Node], collective: fx.Node) -> bool:
         and all(user in own for user in node.users)
         for node in computed
     ) and len(collective.users) == 1
-
-
-def _program(inputs: list[fx.Node], computed: list[fx.Node], collective: fx.Node) -> str | None:
-    """The source of an FX graph computing `collective` from `inputs` (its result not yet waited
-    for); None where its code would need names `runtime.prefetch` does not provide."""
-    program = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        copies[node] = program.placeholder(node.name)
-    for node in [*computed, collective]:
-        copies[node] = program.node_copy(node, copies.__getitem__)
-    program.output(copies[collective])
-    code = program.python_code(root_module="self")
-    used = {name for name in code.globals if re.search(rf"\b{re.escape(name)}\b", code.src)}
-    return code.src if used <= _PROGRAM_GLOBALS else None

@@ -21,15 +21,14 @@ One layer's gathered weights more are alive at a time, as with FSDP2's prefetch.
 
 from __future__ import annotations
 
-import functools
-import math
 import weakref
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..torch_compat import (C10D_FUNCTIONAL, cuda_graph_unsafe_tags, dtensor_parts, in_autograd_backward,
                             viewed_tensor, write_count)
+from .programs import compiled_program
 from .registry import COMPILATION, PREFETCH, REGISTRY
 
 
@@ -58,14 +57,6 @@ def _memory(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(program: str) -> Callable[..., torch.Tensor]:
-    """The program's Python source (an FX graph's code, `forward(self, *inputs)`) as a function."""
-    namespace = {"torch": torch, "device": torch.device, "inf": math.inf, "nan": math.nan}
-    exec(compile(program, "<zpp::gather_prefetched>", "exec"), namespace)  # zeropp's own FX code
-    return functools.partial(namespace["forward"], None)
-
-
 @torch.library.custom_op("zpp::gather_prefetched", mutates_args=(), tags=cuda_graph_unsafe_tags())
 def gather_prefetched(inputs: list[torch.Tensor], program: str, gathered_numel: int, dtype: torch.dtype,
                       backward: bool, group_size: int, group_name: str) -> torch.Tensor:
@@ -84,7 +75,7 @@ def gather_prefetched(inputs: list[torch.Tensor], program: str, gathered_numel: 
         if pending is not None:
             C10D_FUNCTIONAL.wait_tensor(pending.result)  # a wrong guess, issued on every rank: its buffer can go
             PREFETCH.dropped += 1
-        issued = _compiled(program)(*inputs)
+        issued = compiled_program(program)(*inputs)
         PREFETCH.misses += 1
     if call is not None:
         _issue_following(call)
@@ -161,7 +152,7 @@ def _issue_following(call: GatherCall) -> None:
     versions = _parameter_versions(memory)
     if versions is not None:
         shards = [_read_at(key)[0] for key in memory]
-        PREFETCH.pending = Issued(following, memory, versions, _compiled(following.program)(*shards))
+        PREFETCH.pending = Issued(following, memory, versions, compiled_program(following.program)(*shards))
 
 
 def forget_calls() -> None:

@@ -14,8 +14,10 @@ watches Config.cuda_graphs' calls, and the passes' traced helper functions (reus
 identical layer), which are kept with the fake mode of the compilation they serve and so go with
 it (and with `torch.compiler.reset()`).
 
-`PREFETCH` (run state) remembers, for the layer graphs of Config.compile_layers_once, which weight
-gather followed which in the previous step and the one issued ahead of its call (runtime.prefetch).
+`PREFETCH` and `DEFERRED` (run state) remember, for the layer graphs of Config.compile_layers_once,
+which weight gather followed which in the previous step and the one issued ahead of its call
+(runtime.prefetch), and the gradient reductions whose ends wait for the next layer's graph
+(runtime.deferred_reductions).
 """
 
 from __future__ import annotations
@@ -124,6 +126,21 @@ class PrefetchState:
         self.__dict__.update(vars(PrefetchState()))
 
 
+@dataclass
+class DeferredState:
+    """What `runtime.deferred_reductions` holds: the reductions whose ends have not run yet (in
+    issue order), the placeholder gradients they handed out (by id, with the reduction and its
+    result's index), and the end callback of each backward pass that issued some (by graph task
+    id, weakly: autograd holds it while the pass runs)."""
+
+    unfinished: list[Any] = field(default_factory=list)
+    placeholders: dict[int, tuple[Any, Any, int]] = field(default_factory=dict)
+    backward_ends: dict[int, weakref.ref] = field(default_factory=dict)
+    deferred: int = 0  # gradients set on their parameters when their reduction finished
+    finished: int = 0  # reductions finished
+
+
 REGISTRY = Registry()
 COMPILATION = CompilationRegistry()
 PREFETCH = PrefetchState()
+DEFERRED = DeferredState()

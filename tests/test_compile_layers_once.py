@@ -22,7 +22,7 @@ from zpp_compile.passes import PASSES, GraphPass
 from zpp_compile.passes.lower_collectives import lower_collectives
 from zpp_compile.dump import read_layer_runs
 from zpp_compile.ledger import CollectiveRecord, CommReport, GraphComm
-from zpp_compile.runtime.registry import PREFETCH
+from zpp_compile.runtime.registry import DEFERRED, PREFETCH
 from zpp_compile.runtime.topology import Group
 from zpp_compile.torch_compat import ListedWithoutDynamoWalks
 
@@ -369,13 +369,90 @@ def prefetch_misguessed_run(rank: int, world_size: int) -> None:
         assert runs[0][1] == [(0, 8, 0), (6, 2, 1), (3, 3, 2), (5, 3, 2)], (inductor, runs[0][1])
 
 
+FINISHED_IN_GRAPH = ("finish_reductions_later",)
+
+
+def reductions_finished_later_run(rank: int, world_size: int) -> None:
+    """Each backward layer graph's reductions end during the next layer's graph or at the end of
+    backward, every gradient set on its parameter by then; the training is the same to the bit,
+    collectives included, as with the pass switched off (plain ZeRO-3 and all three), and to fp32
+    rounding under Inductor."""
+    transformers = pytest.importorskip("transformers")
+    build = lambda: llama(transformers)  # noqa: E731
+    for options, inductor in (({}, False), (ALL_THREE, False), ({}, True), (ALL_THREE, True)):
+        torch.compiler.reset()  # Dynamo would stop compiling the model's frame at its cap of graphs
+        DEFERRED.deferred = 0
+        later = prefetched_steps(rank, world_size, build, llama_loss, options, steps=2, inductor=inductor)
+        # Every gradient of every layer, both steps, set on its parameter when its reduction ended.
+        assert DEFERRED.deferred == 2 * sum(1 for layer in build().model.layers for _ in layer.parameters())
+        assert not (DEFERRED.unfinished or DEFERRED.placeholders or DEFERRED.backward_ends)
+        torch.compiler.reset()
+        in_graph = prefetched_steps(rank, world_size, build, llama_loss,
+                                    {**options, "disable_passes": FINISHED_IN_GRAPH}, steps=2, inductor=inductor)
+        assert_same_training(later, in_graph, exact=not inductor)
+
+
+def stack_gradients(rank: int, world_size: int, options: dict, use: Callable[[nn.Module, Callable], None]) -> dict:
+    """The gradients `use(model, step)` leaves on a sharded stack of MLP layers compiled once."""
+    torch.manual_seed(0)
+    model = zpp.shard(SkippingStack().to(device()), zpp.Config(compile_layers_once=True, **options))
+    use(model, torch.compile(model, backend="zeropp", options={"inductor": False}))
+    return {name: p.grad.full_tensor() if p.grad is not None else None for name, p in model.named_parameters()}
+
+
+def reductions_finished_later_elsewhere_run(rank: int, world_size: int) -> None:
+    """Where autograd does more than accumulate a gradient into `.grad`, the gradient is handed on
+    as without the pass: two backwards accumulate, torch.autograd.grad returns every gradient, a
+    hook on a parameter sees its gradient; a backward that fails midway leaves no gradient to come
+    after the user has cleared them."""
+    def loss(step: Callable, index: int) -> torch.Tensor:
+        return stack_loss(step, rank, world_size, index)
+
+    def accumulate(model: nn.Module, step: Callable) -> None:
+        loss(step, 0).backward()
+        loss(step, 1).backward()
+
+    def hand_back(model: nn.Module, step: Callable) -> None:
+        params = list(model.parameters())
+        for param, grad in zip(params, torch.autograd.grad(loss(step, 0), params)):
+            param.grad = grad
+
+    def hooked(model: nn.Module, step: Callable) -> None:
+        seen = []
+        model.layers[2].fc2.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.full_tensor()))
+        loss(step, 0).backward()
+        torch.testing.assert_close(seen[0], model.layers[2].fc2.weight.grad.full_tensor(), rtol=0, atol=0)
+
+    def failed_then_cleared(model: nn.Module, step: Callable) -> None:
+        # Computed, not a leaf: its hook runs after the first layer's gradients reached LocalShards.
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank)).to(device()).requires_grad_() * 1
+        out = step(x)
+        x.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("stopped in backward")))
+        with pytest.raises(RuntimeError, match="stopped in backward"):
+            out.pow(2).mean().backward()
+        model.zero_grad()
+        loss(step, 0).backward()
+
+    for use in (accumulate, hand_back, hooked, failed_then_cleared):
+        torch.compiler.reset()
+        later = stack_gradients(rank, world_size, {}, use)
+        torch.compiler.reset()
+        in_graph = stack_gradients(rank, world_size, {"disable_passes": FINISHED_IN_GRAPH}, use)
+        for name, grad in later.items():
+            torch.testing.assert_close(grad, in_graph[name], rtol=0, atol=0,
+                                       msg=lambda m: f"{use.__name__} {name}: {m}")
+        assert not (DEFERRED.unfinished or DEFERRED.placeholders), use.__name__
+
+
 @pytest.mark.distributed
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
     run_ranks(in_turn, 2, {"hf llama": (compile_once_run,), "numbered layers": (numbered_layers_run,),
                            "checkpointing": (checkpointing_layers_run,), "all three": (same_collectives_run,),
                            "inductor": (inductor_run,), "kv cache": (kv_cache_run,),
                            "no sync": (no_sync_layers_run,), "prefetch": (prefetch_run,),
-                           "prefetch misguessed": (prefetch_misguessed_run,)})
+                           "prefetch misguessed": (prefetch_misguessed_run,),
+                           "reductions finished later": (reductions_finished_later_run,),
+                           "reductions finished later, elsewhere": (reductions_finished_later_elsewhere_run,)})
 
 
 def test_a_layers_graph_counts_once_per_layer_that_ran_it_last():

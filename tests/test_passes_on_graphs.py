@@ -34,6 +34,7 @@ import zpp_compile as zpp
 from zpp_compile.passes import PASSES, PassContext
 from zpp_compile.passes.base import READ_REPEATEDLY, RECOMPUTED, SECONDARY_COPY, weight_gathers
 from zpp_compile.passes.checkpoint_activations import checkpoint_activations
+from zpp_compile.passes.finish_reductions_later import finish_reductions_later
 from zpp_compile.passes.fx_util import ancestors, backward_nodes, layer_of, weight_chain
 from zpp_compile.passes.gather_once import gather_once
 from zpp_compile.passes.hierarchical_partition import hierarchical_partition
@@ -47,9 +48,10 @@ from zpp_compile.runtime.grad_quant_format import piece_bytes
 from zpp_compile.ledger import collectives_in_graph
 from zpp_compile.runtime.ops import (dequantize_weight_args, gather_flat_args, gather_param_args,
                                      gather_prefetched_args, quantize_weight_args, reduce_grad_args)
-from zpp_compile.runtime.prefetch import _compiled
+from zpp_compile.runtime.deferred_reductions import FINISH_REDUCTIONS_LATER
+from zpp_compile.runtime.programs import compiled_program
 from zpp_compile.runtime.topology import Group, Topology
-from zpp_compile.torch_compat import C10D_FUNCTIONAL, RECOMPUTE
+from zpp_compile.torch_compat import C10D_FUNCTIONAL, RECOMPUTE, USER_VISIBLE_OUTPUTS
 
 aten, zpp_ops, c10d = torch.ops.aten, torch.ops.zpp, C10D_FUNCTIONAL
 GATHER, REDUCE = zpp_ops.all_gather_param.default, zpp_ops.reduce_grad.default
@@ -542,7 +544,7 @@ def test_prefetch_across_layers__a_layer_graphs_first_gather_becomes_one_op_hold
     assert not calls(graph, aten.constant_pad_nd.default)
     # The program issues the collective and leaves its wait to the op; its code is Python as it stands.
     assert "all_gather_into_tensor_out" in args.program and "wait_tensor" not in args.program
-    assert callable(_compiled(args.program))
+    assert callable(compiled_program(args.program))
     # The ledger counts the op's gather as the gather it replaced.
     assert collectives_in_graph(graph, topology(0)) == ledger
     graph.lint()
@@ -557,6 +559,51 @@ def test_prefetch_across_layers__a_layer_graphs_first_gather_becomes_one_op_hold
         untouched = lowered()
         prefetch_across_layers(untouched, ctx)
         assert not calls(untouched, zpp_ops.gather_prefetched.default)
+
+
+def test_finish_reductions_later__a_layer_graphs_last_reductions_end_in_one_op_returning_placeholders():
+    def lowered() -> fx.Graph:
+        graph = hand_written_lowering_graph()
+        lower_collectives(graph, context("backward", topology(0)))
+        next(iter(graph.find_nodes(op="output"))).meta[USER_VISIBLE_OUTPUTS] = [0, 1, 2]
+        return graph
+
+    graph = lowered()
+    ledger = collectives_in_graph(graph, topology(0))
+    (scatter,) = calls(graph, c10d.reduce_scatter_tensor.default)
+    used, flat, _ = next(iter(graph.find_nodes(op="output"))).args[0]
+    # A layer's backward graph whose third output is the gradient of a local shard.
+    one_layer = dataclasses.replace(context("backward", topology(0)), one_layer=True, shard_inputs=(3, (2,)))
+
+    finish_reductions_later(graph, one_layer)
+
+    # The reduction's wait, its division by the group size and its cut to the shard are one op
+    # reading the reduce-scatter's result; the output is its placeholder. The weight gathers (not
+    # computed from the incoming gradient) keep their waits, every collective stays in the graph.
+    (later,) = calls(graph, FINISH_REDUCTIONS_LATER)
+    inputs, program, results = later.args
+    assert inputs == [scatter] and results == "(('float32', (5,)),)"
+    output = next(iter(graph.find_nodes(op="output")))
+    placeholder = output.args[0][2]
+    assert output.args[0][:2] == (used, flat) and placeholder.args == (later, 0)
+    assert placeholder.meta["val"].shape == (5,) and placeholder.meta["val"].stride() == (0,)
+    assert len(calls(graph, c10d.wait_tensor.default)) == 2 and not calls(graph, aten.div.Tensor)
+    assert collectives_in_graph(graph, topology(0)) == ledger
+    # Inductor keeps the placeholder's strides (it would copy a user-visible output to the graph's
+    # earlier ones); the program waits, then divides and cuts.
+    assert output.meta[USER_VISIBLE_OUTPUTS] == [0, 1]
+    summed = torch.arange(24.0)
+    torch.testing.assert_close(compiled_program(program)(summed), summed[:5] / 4)
+    graph.lint()
+    # The step's own graph, a layer's forward, a world of one, a reduction that is not a local
+    # shard's gradient, and a graph whose inputs are not all plain tensors are left as they are.
+    world_of_one = dataclasses.replace(one_layer, topology=dataclasses.replace(topology(0), world=Group(WORLD, (0,))))
+    for ctx in (context("backward", topology(0)), dataclasses.replace(one_layer, kind="forward"), world_of_one,
+                dataclasses.replace(one_layer, shard_inputs=(3, ())),
+                dataclasses.replace(one_layer, shard_inputs=None)):
+        untouched = lowered()
+        finish_reductions_later(untouched, ctx)
+        assert not calls(untouched, FINISH_REDUCTIONS_LATER)
 
 
 def test_hierarchical_partition__a_group_of_one_keeps_the_whole_weight_and_backward_gathers_nothing():

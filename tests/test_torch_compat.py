@@ -287,6 +287,38 @@ def test_autograd_backward_is_detected_only_inside_backward():
     assert inside == [True]
 
 
+def test_autograd_tells_a_backward_that_only_accumulates_and_runs_callbacks_at_its_end():
+    param = nn.Parameter(torch.ones(3))
+    seen = []
+
+    class Reads(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append((tc.graph_task_id() != -1, tc.accumulates_into_grad(param)))
+            tc.at_backward_end(lambda: seen.append("end"))
+            return grad
+
+    def loss():
+        return (Reads.apply(param) * 2).sum()
+
+    loss().backward()
+    torch.autograd.grad(loss(), param)
+    loss().backward(create_graph=True)
+    param.grad = None
+    hook = param.register_post_accumulate_grad_hook(lambda p: None)
+    loss().backward()
+    hook.remove()
+    hook = param.register_hook(lambda grad: grad)
+    loss().backward()
+    hook.remove()
+    assert tc.graph_task_id() == -1
+    assert seen == [(True, True), "end"] + [(True, False), "end"] * 4
+
+
 def test_to_empty_hands_apply_the_conversion_zeropp_recognizes():
     seen = []
     block = Block()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
 from .compile_cache import PassCache, to_local_as_method
@@ -65,6 +66,8 @@ def zeropp_backend(
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     to_local_as_method(gm)
     example_inputs, shard_positions = local_shard_inputs(gm, example_inputs)
+    if not any(isinstance(x, DTensor) for x in example_inputs):
+        manager.shard_inputs = (len(example_inputs), shard_positions)
     compiled = reading_local_shards(_compile(gm, example_inputs, config, state, manager), shard_positions)
     if one_layer:
         compiled = record_layer_run(compiled, manager.graph_id, manager.dump)

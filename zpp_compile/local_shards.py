@@ -13,13 +13,15 @@ its parameter as a DTensor of the parameter's sharding, as `to_local()`'s backwa
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .torch_compat import EXAMPLE_VALUE, dtensor_parts, dtensor_with_spec
+from .runtime.deferred_reductions import claim, is_placeholder
+from .torch_compat import EXAMPLE_VALUE, accumulates_into_grad, dtensor_parts, dtensor_with_spec
 
 
 def local_shard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], tuple[int, ...]]:
@@ -65,10 +67,13 @@ class LocalShards(torch.autograd.Function):
 
     Each gradient is built on a copy of the parameter's spec, as `to_local()`'s backward builds it
     when the gradient is laid out as the shard, but without that backward's checks
-    (`torch_compat.dtensor_with_spec`)."""
+    (`torch_compat.dtensor_with_spec`). A gradient whose reduction a layer graph left to finish
+    later (`runtime.deferred_reductions`) is set on its parameter when it has finished, where
+    autograd would only have accumulated it."""
 
     @staticmethod
     def forward(ctx: Any, *params: DTensor) -> tuple[torch.Tensor, ...]:
+        ctx.params = params
         parts = [dtensor_parts(p) for p in params]
         ctx.specs = [spec for _, spec in parts]
         ctx.strides = [local.stride() for local, _ in parts]
@@ -80,9 +85,28 @@ class LocalShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
-        # A spec of its own for each gradient, as torch gives every DTensor it makes.
-        return tuple(None if grad is None else dtensor_with_spec(_laid_out(grad, stride), copy.copy(spec))
-                     for grad, spec, stride in zip(grads, ctx.specs, ctx.strides))
+        handed = []
+        for grad, param, spec, stride in zip(grads, ctx.params, ctx.specs, ctx.strides):
+            if grad is not None and is_placeholder(grad):
+                later = functools.partial(_accumulate, param, spec, stride) if accumulates_into_grad(param) else None
+                grad = claim(grad, later)
+            handed.append(None if grad is None else _as_gradient(grad, spec, stride))
+        return tuple(handed)
+
+
+def _as_gradient(grad: torch.Tensor, spec: Any, stride: tuple[int, ...]) -> DTensor:
+    # A spec of its own for each gradient, as torch gives every DTensor it makes.
+    return dtensor_with_spec(_laid_out(grad, stride), copy.copy(spec))
+
+
+def _accumulate(param: DTensor, spec: Any, stride: tuple[int, ...], grad: torch.Tensor) -> None:
+    """What autograd does with a leaf's gradient, for a gradient that arrives later."""
+    grad = _as_gradient(grad, spec, stride)
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad += grad
 
 
 def _laid_out(grad: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:

@@ -56,6 +56,7 @@ class PassManager:
         self.config, self.topology, self.graph_id, self.layers = config, topology, graph_id, layers
         self.buckets_within_layers = buckets_within_layers
         self.one_layer = one_layer  # one layer's own graph (PassContext.one_layer)
+        self.shard_inputs: tuple[int, tuple[int, ...]] | None = None  # set by the backend (PassContext.shard_inputs)
         self.frame = frame  # the Python frame Dynamo compiles (GraphComm.frame)
         self.passes = enabled_passes(config, passes)
         self.secondary_bytes = 0  # set by the joint stage, reported with the forward graph
@@ -79,7 +80,7 @@ class PassManager:
         self.joint_done = self.joint_done or stage == "joint"
         kind = "joint" if stage == "joint" else ("backward" if is_backward(graph) else "forward")
         ctx = PassContext(self.config, self.topology, f"{self.graph_id}.{kind}", kind, self.layers,
-                          self.buckets_within_layers, self.one_layer)
+                          self.buckets_within_layers, self.one_layer, self.shard_inputs)
         self.model = self.model or self._sharded_model(graph)
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
             before = self.dump.snapshot(graph) if self.dump else None

@@ -130,6 +130,33 @@ def in_autograd_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def graph_task_id() -> int:
+    """The backward pass autograd runs on this thread (-1 outside backward): what tells a nested
+    backward (an eager checkpoint's recompute) from the one around it."""
+    return torch._C._current_graph_task_id()
+
+
+def at_backward_end(callback: Any) -> None:
+    """Runs `callback` once the backward pass running now has run every node: the hook FSDP2
+    finishes its gradient reductions with. Only from inside a backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def accumulates_into_grad(param: torch.Tensor) -> bool:
+    """Whether the backward pass running now accumulates into `param.grad` with nothing of the
+    user's around it: not `torch.autograd.grad` (which hands gradients back instead) nor a
+    backward whose `inputs=` leave it out, no hook on the parameter (registered with
+    `register_hook` or `register_post_accumulate_grad_hook`), and no graph of the backward built
+    (create_graph). Then zeropp may set `.grad` itself, later in the same backward pass, as
+    autograd would have. torch asks its engine the first question only privately."""
+    if torch.is_grad_enabled() or param._backward_hooks or param._post_accumulate_grad_hooks:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:  # asked of a leaf while torch.autograd.grad runs, which accumulates into none
+        return False
+
+
 # An FX node's target when it is an operator (ATen or custom), not a Python function.
 OpOverload = torch._ops.OpOverload
 
