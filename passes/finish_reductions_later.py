@@ -1,15 +1,16 @@
-"""Finish reductions later: a layer graph's last gradient reductions, waited for during the next layer's graph.
+"""Finish reductions later: a graph's last gradient reductions, waited for during the next graph's backward.
 
-A layer compiled as a graph of its own (Config.compile_layers_once) issues its last gradient
-reductions at the end of its backward and waits for them before it returns, with nothing of the
-layer left to compute meanwhile. This pass rewrites, in each lowered backward layer graph over more
-than one rank, the waits of the graph's gradient exchanges (collectives of what the incoming
-gradient computes) that only the graph's outputs depend on, with everything computed from them up
-to those outputs (the division by the group size, the cuts into shards, qgZ's dequantization),
-into one `zpp::finish_reductions_later` call that holds the rest as its program and returns
-placeholders for those outputs. The collectives stay where the schedule put them; their ends run
-when the next layer graph calls the op, or at the end of the backward pass
-(`runtime/deferred_reductions.py`). The last of the lowering passes, after the schedule.
+With Config.compile_layers_once the step is many graphs: each layer's, and those around the
+layers (the embedding's, the head's). Each backward graph issues its last gradient reductions at
+its end and waits for them before it returns, with nothing of its own left to compute meanwhile.
+This pass rewrites, in each lowered backward graph over more than one rank, the waits of the
+graph's gradient exchanges (collectives of what the incoming gradient computes) that only local
+shards' gradients depend on, with everything computed from them up to those outputs (the
+division by the group size, the cuts into shards, qgZ's dequantization), into one
+`zpp::finish_reductions_later` call that holds the rest as its program and returns placeholders
+for those outputs. The collectives stay where the schedule put them; their ends run when the next
+backward graph calls the op, or at the end of the backward pass (`runtime/deferred_reductions.py`).
+The last of the lowering passes, after the schedule.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ _COLLECTIVE_NAMESPACE = "_c10d_functional"
 
 
 def finish_reductions_later(graph: fx.Graph, ctx: PassContext) -> None:
-    """Turns the ends of a backward layer graph's last gradient reductions into one op run later."""
-    if not ctx.one_layer or ctx.kind != "backward" or ctx.topology.world.size == 1 or ctx.shard_inputs is None:
+    """Turns the ends of a backward graph's last gradient reductions into one op run later."""
+    if (not ctx.config.compile_layers_once or ctx.kind != "backward" or ctx.topology.world.size == 1
+            or ctx.shard_inputs is None):
         return
     output = next(reversed(graph.nodes))
     inputs_count, shards = ctx.shard_inputs

@@ -1,15 +1,15 @@
-"""`zpp::finish_reductions_later`: a layer graph's last gradient reductions, finished during the next layer's.
+"""`zpp::finish_reductions_later`: a graph's last gradient reductions, finished during the next graph's backward.
 
-A layer compiled as a graph of its own (Config.compile_layers_once) issues the reductions of its
-last gradients at the end of its backward, and waiting for them there leaves nothing of the layer
-to compute meanwhile: the next layer's backward starts only once they end. This op holds the rest
-of such a graph as a program: the waits of those reductions (issued in the graph, and running on
-the network library's stream) and what is computed from them up to the graph's outputs (the
-division by the group size, the cuts into shards, qgZ's dequantization). The graph returns
-placeholders in place of those gradients; the program runs when the next layer graph calls the op,
-once that graph's own reductions are issued, or at the end of the backward pass, whichever comes
-first, so the reductions run during the next layer's compute, as FSDP2's reduce-scatters run
-during the next block's backward.
+With Config.compile_layers_once the step is many graphs (each layer's, and those around the
+layers), and each backward graph issues its last gradient reductions at its end: waited for there,
+nothing of the graph is left to compute meanwhile, and the next graph's backward starts on the GPU
+only once they end. This op holds the rest of such a graph as a program: the waits of those
+reductions (issued in the graph, and running on the network library's stream) and what is
+computed from them up to the graph's outputs (the division by the group size, the cuts into
+shards, qgZ's dequantization). The graph returns placeholders in place of those gradients; the
+program runs when the next backward graph calls the op, once that graph's own reductions are
+issued, or at the end of the backward pass, whichever comes first, so the reductions run during
+the next graph's compute, as FSDP2's reduce-scatters run during the next block's backward.
 
 The placeholders go to `LocalShards`, the autograd node that hands each shard's gradient to its
 parameter (`claim`). Where autograd would only accumulate the gradient into `.grad`, it hands none

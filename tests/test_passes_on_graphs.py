@@ -572,8 +572,9 @@ def test_finish_reductions_later__a_layer_graphs_last_reductions_end_in_one_op_r
     ledger = collectives_in_graph(graph, topology(0))
     (scatter,) = calls(graph, c10d.reduce_scatter_tensor.default)
     used, flat, _ = next(iter(graph.find_nodes(op="output"))).args[0]
-    # A layer's backward graph whose third output is the gradient of a local shard.
-    one_layer = dataclasses.replace(context("backward", topology(0)), one_layer=True, shard_inputs=(3, (2,)))
+    # A backward graph of a step split into graphs, whose third output is a local shard's gradient.
+    one_layer = dataclasses.replace(context("backward", topology(0), compile_layers_once=True), one_layer=True,
+                                    shard_inputs=(3, (2,)))
 
     finish_reductions_later(graph, one_layer)
 
@@ -595,8 +596,9 @@ def test_finish_reductions_later__a_layer_graphs_last_reductions_end_in_one_op_r
     summed = torch.arange(24.0)
     torch.testing.assert_close(compiled_program(program)(summed), summed[:5] / 4)
     graph.lint()
-    # The step's own graph, a layer's forward, a world of one, a reduction that is not a local
-    # shard's gradient, and a graph whose inputs are not all plain tensors are left as they are.
+    # The whole step's graph, a forward, a world of one, a reduction that is not a local shard's
+    # gradient, and a graph whose inputs are not all plain tensors are left as they are; a graph
+    # around the layers' (the embedding's, the head's) is rewritten as a layer's is.
     world_of_one = dataclasses.replace(one_layer, topology=dataclasses.replace(topology(0), world=Group(WORLD, (0,))))
     for ctx in (context("backward", topology(0)), dataclasses.replace(one_layer, kind="forward"), world_of_one,
                 dataclasses.replace(one_layer, shard_inputs=(3, ())),
@@ -604,6 +606,9 @@ def test_finish_reductions_later__a_layer_graphs_last_reductions_end_in_one_op_r
         untouched = lowered()
         finish_reductions_later(untouched, ctx)
         assert not calls(untouched, FINISH_REDUCTIONS_LATER)
+    around_layers = lowered()
+    finish_reductions_later(around_layers, dataclasses.replace(one_layer, one_layer=False))
+    assert len(calls(around_layers, FINISH_REDUCTIONS_LATER)) == 1
 
 
 def test_hierarchical_partition__a_group_of_one_keeps_the_whole_weight_and_backward_gathers_nothing():

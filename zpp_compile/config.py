@@ -124,7 +124,7 @@ class Config:
     # Compile each layer as a graph of its own, once for every identical layer (`layer_graphs`), so
     # compile time stays flat in depth, as with FSDP2's compile per block. A layer's gathers and
     # reductions are then in its own graph; its first gather is issued while the layer before
-    # computes (the pass prefetch_across_layers), its last reductions end while the next layer's
+    # computes (the pass prefetch_across_layers), its last reductions end while the next graph's
     # backward computes (finish_reductions_later).
     compile_layers_once: bool = False
     # Inductor settings for zeropp's graphs, as torch._inductor.config names (e.g.

@@ -67,7 +67,7 @@ class LocalShards(torch.autograd.Function):
 
     Each gradient is built on a copy of the parameter's spec, as `to_local()`'s backward builds it
     when the gradient is laid out as the shard, but without that backward's checks
-    (`torch_compat.dtensor_with_spec`). A gradient whose reduction a layer graph left to finish
+    (`torch_compat.dtensor_with_spec`). A gradient whose reduction a graph left to finish
     later (`runtime.deferred_reductions`) is set on its parameter when it has finished, where
     autograd would only have accumulated it."""
 
