@@ -436,7 +436,9 @@ def reductions_finished_later_elsewhere_run(rank: int, world_size: int) -> None:
 
     for use in (accumulate, hand_back, hooked, failed_then_cleared):
         torch.compiler.reset()
+        DEFERRED.finished = 0
         later = stack_gradients(rank, world_size, {}, use)
+        assert DEFERRED.finished > 0, use.__name__  # the graphs did leave their reductions to finish later
         torch.compiler.reset()
         in_graph = stack_gradients(rank, world_size, {"disable_passes": FINISHED_IN_GRAPH}, use)
         for name, grad in later.items():
