@@ -58,7 +58,7 @@ def finish_reductions_later(inputs: list[torch.Tensor], program: str, results: s
                            "placeholders reach the parameters' gradients; this is a bug in zeropp, please report it")
     placeholders = [torch.full((), torch.nan, dtype=dtype, device=inputs[0].device).expand(shape)
                     for dtype, shape in _results(results)]
-    finish_reductions()  # the graphs' before: their collectives ran during this graph's compute
+    finish_reductions()  # those of the graphs before this one: their collectives ran during its compute
     reduction = Unfinished(list(inputs), program, task)
     DEFERRED.unfinished.append(reduction)
     for index, placeholder in enumerate(placeholders):

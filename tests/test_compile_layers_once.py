@@ -375,20 +375,22 @@ FINISHED_IN_GRAPH = ("finish_reductions_later",)
 def reductions_finished_later_run(rank: int, world_size: int) -> None:
     """Each backward graph's last reductions end during the next graph or at the end of backward,
     every gradient set on its parameter by then; the training is the same to the bit,
-    collectives included, as with the pass switched off (plain ZeRO-3 and all three), and to fp32
-    rounding under Inductor."""
+    collectives included, as with the pass switched off (plain ZeRO-3 and all three on an HF
+    Llama), and to fp32 rounding under Inductor (a stack of MLP layers)."""
     transformers = pytest.importorskip("transformers")
-    build = lambda: llama(transformers)  # noqa: E731
-    for options, inductor in (({}, False), (ALL_THREE, False), ({}, True), (ALL_THREE, True)):
+    llama_model = lambda: llama(transformers)  # noqa: E731
+    for build, loss_of, options, inductor in ((llama_model, llama_loss, {}, False),
+                                              (llama_model, llama_loss, ALL_THREE, False),
+                                              (SkippingStack, stack_loss, {}, True)):
         torch.compiler.reset()  # Dynamo would stop compiling the model's frame at its cap of graphs
         DEFERRED.deferred = 0
-        later = prefetched_steps(rank, world_size, build, llama_loss, options, steps=2, inductor=inductor)
+        later = prefetched_steps(rank, world_size, build, loss_of, options, steps=2, inductor=inductor)
         # Every gradient, both steps, set on its parameter when its reduction ended: the layers'
-        # and those of the graphs around them (the embedding's, the head's).
+        # and those of the graphs around them (an HF model's embedding's, its head's).
         assert DEFERRED.deferred == 2 * len(list(build().parameters()))
         assert not (DEFERRED.unfinished or DEFERRED.placeholders or DEFERRED.backward_ends)
         torch.compiler.reset()
-        in_graph = prefetched_steps(rank, world_size, build, llama_loss,
+        in_graph = prefetched_steps(rank, world_size, build, loss_of,
                                     {**options, "disable_passes": FINISHED_IN_GRAPH}, steps=2, inductor=inductor)
         assert_same_training(later, in_graph, exact=not inductor)
 
