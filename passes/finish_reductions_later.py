@@ -19,14 +19,12 @@ import operator
 
 import torch.fx as fx
 
+from ..runtime.collectives import COLLECTIVE_NAMESPACE, WAIT
 from ..runtime.deferred_reductions import FINISH_REDUCTIONS_LATER, results_literal
-from ..torch_compat import (C10D_FUNCTIONAL, USER_VISIBLE_OUTPUTS, OpOverload, cuda_graph_unsafe_tags, detect_fake_mode,
-                            mutates_arguments)
+from ..torch_compat import USER_VISIBLE_OUTPUTS, OpOverload, cuda_graph_unsafe_tags, detect_fake_mode, mutates_arguments
 from .base import PassContext
 from .fx_util import backward_nodes, program_source
 
-_WAIT = C10D_FUNCTIONAL.wait_tensor.default
-_COLLECTIVE_NAMESPACE = "_c10d_functional"
 
 
 def finish_reductions_later(graph: fx.Graph, ctx: PassContext) -> None:
@@ -47,14 +45,16 @@ def finish_reductions_later(graph: fx.Graph, ctx: PassContext) -> None:
     results = list(dict.fromkeys(a for i, a in enumerate(output.args[0]) if i in shards and a in tail))
     inputs = sorted({arg for node in nodes for arg in node.all_input_nodes if arg not in tail})
     values = [node.meta["val"] for node in results]
-    program = program_source(inputs, nodes, results)
-    if program is None or not inputs or any(not isinstance(size, int) for v in values for size in v.shape):
+    if not inputs or any(not isinstance(size, int) for v in values for size in v.shape):
         return
+    program = program_source(inputs, nodes, results)
+    if program is None:
+        return
+    shapes = results_literal(values)
     with graph.inserting_before(output):
-        later = graph.call_function(FINISH_REDUCTIONS_LATER, (inputs, program, results_literal(values)))
+        later = graph.call_function(FINISH_REDUCTIONS_LATER, (inputs, program, shapes))
         with detect_fake_mode(values):
-            later.meta["val"] = FINISH_REDUCTIONS_LATER(*(
-                [node.meta["val"] for node in inputs], program, results_literal(values)))
+            later.meta["val"] = FINISH_REDUCTIONS_LATER([node.meta["val"] for node in inputs], program, shapes)
         placeholders = {}
         for index, node in enumerate(results):
             placeholders[node] = graph.call_function(operator.getitem, (later, index))
@@ -75,9 +75,10 @@ def _tail(graph: fx.Graph, output: fx.Node, kept: set[fx.Node]) -> set[fx.Node]:
     on, with the nodes computed from them that only lead there (not to the outputs `kept`): what
     can run after the graph."""
     gradient = backward_nodes(graph)
-    exchanges = {n for n in graph.nodes if n.target is _WAIT and n.args[0] in gradient}
-    after_exchange: set[fx.Node] = set()
+    exchanges, after_exchange = set(), set()
     for node in graph.nodes:
+        if node.target is WAIT and node.args[0] in gradient:
+            exchanges.add(node)
         if node in exchanges or (node.op == "call_function" and any(a in after_exchange for a in node.all_input_nodes)):
             after_exchange.add(node)
     tail: set[fx.Node] = set()
@@ -92,8 +93,8 @@ def _can_run_later(node: fx.Node) -> bool:
     """A wait, or a computation free of side effects and of run-time state: an operator that
     writes none of its arguments, issues no collective and may be replayed (zeropp's ops that read
     Python state are kept out of CUDA graphs), or a tuple item."""
-    if node.target is _WAIT or node.target is operator.getitem:
+    if node.target is WAIT or node.target is operator.getitem:
         return True
-    if not isinstance(node.target, OpOverload) or node.target.namespace == _COLLECTIVE_NAMESPACE:
+    if not isinstance(node.target, OpOverload) or node.target.namespace == COLLECTIVE_NAMESPACE:
         return False
     return not mutates_arguments(node.target) and not set(cuda_graph_unsafe_tags()) & set(node.target.tags)

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..runtime.collectives import ALL_GATHERS
+from ..runtime.collectives import ALL_GATHERS, COLLECTIVE_NAMESPACE, WAIT
 from ..runtime.prefetch import GATHER_PREFETCHED
-from ..torch_compat import C10D_FUNCTIONAL
 from .base import PassContext
 from .fx_util import ancestors, backward_nodes, program_source
 
-_WAIT = C10D_FUNCTIONAL.wait_tensor.default
-_COLLECTIVE_NAMESPACE = "_c10d_functional"
 
 
 def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
@@ -61,7 +58,7 @@ def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
 def _first_gather(graph: fx.Graph) -> tuple[fx.Node, fx.Node] | None:
     """The all-gather whose wait comes first in the graph, and that wait."""
     for node in graph.nodes:
-        if node.target is _WAIT and node.args[0].target in ALL_GATHERS:
+        if node.target is WAIT and node.args[0].target in ALL_GATHERS:
             return node.args[0], node
     return None
 
@@ -71,7 +68,7 @@ def _movable(computed: list[fx.Node], collective: fx.Node) -> bool:
     plain function calls, no other collective, none read by anything but the gather's chain."""
     own = {*computed, collective}
     return all(
-        node.op == "call_function" and getattr(node.target, "namespace", None) != _COLLECTIVE_NAMESPACE
+        node.op == "call_function" and getattr(node.target, "namespace", None) != COLLECTIVE_NAMESPACE
         and all(user in own for user in node.users)
         for node in computed
     ) and len(collective.users) == 1

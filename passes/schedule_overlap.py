@@ -6,7 +6,7 @@ from __future__ import annotations
 import networkx
 import torch.fx as fx
 
-from ..runtime.collectives import ALL_GATHERS
+from ..runtime.collectives import ALL_GATHERS, WAIT
 from ..runtime.prefetch import GATHER_PREFETCHED
 from ..torch_compat import C10D_FUNCTIONAL
 from .base import PassContext
@@ -14,7 +14,6 @@ from .fx_util import ancestors, backward_nodes, descendants
 
 _c10d = C10D_FUNCTIONAL
 COLLECTIVES = (*ALL_GATHERS, _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
-WAIT = _c10d.wait_tensor.default
 # A layer graph's first gather, issued during the graph before (prefetch_across_layers): its own wait.
 PREFETCHED = GATHER_PREFETCHED
 

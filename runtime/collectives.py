@@ -16,8 +16,11 @@ from ..torch_compat import C10D_FUNCTIONAL
 _c10d = C10D_FUNCTIONAL
 
 
-# The functional all-gathers, as they appear in lowered graphs.
+# The functional all-gathers, as they appear in lowered graphs; the wait every collective ends in;
+# the namespace of the functional collectives (a node in it issues or waits for one).
 ALL_GATHERS = (_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default)
+WAIT = _c10d.wait_tensor.default
+COLLECTIVE_NAMESPACE = "_c10d_functional"
 
 
 def gathers_into_given_output(device: torch.device) -> bool:

@@ -1,8 +1,9 @@
 """FX programs that zeropp's run-time ops hold as Python source and run outside Inductor's code.
 
-A pass that hands part of a graph to a run-time op (`runtime.prefetch`, `runtime.deferred`) gives
-it that part as the source FX writes for a graph (`forward(self, *inputs)`); the op runs it with
-the names below, the only ones such source may use beyond its inputs.
+A pass that hands part of a graph to a run-time op (`runtime.prefetch`,
+`runtime.deferred_reductions`) gives it that part as the source FX writes for a graph
+(`forward(self, *inputs)`); the op runs it with the names below, the only ones such source may use
+beyond its inputs.
 """
 
 from __future__ import annotations

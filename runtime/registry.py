@@ -16,7 +16,7 @@ it (and with `torch.compiler.reset()`).
 
 `PREFETCH` and `DEFERRED` (run state) remember, for the layer graphs of Config.compile_layers_once,
 which weight gather followed which in the previous step and the one issued ahead of its call
-(runtime.prefetch), and the gradient reductions whose ends wait for the next layer's graph
+(runtime.prefetch), and the gradient reductions whose ends wait for the next backward graph
 (runtime.deferred_reductions).
 """
 

@@ -127,7 +127,7 @@ def in_autograd_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (an eager activation-checkpoint
     recompute reads weights there, outside any module's forward). torch has no public way to ask;
     the graph task id is what its engine uses (-1 outside backward)."""
-    return torch._C._current_graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 def graph_task_id() -> int:
