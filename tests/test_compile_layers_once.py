@@ -335,21 +335,39 @@ def assert_same_training(with_prefetch: tuple, without: tuple, exact: bool = Tru
         torch.testing.assert_close(value, other_weights[key], **tolerance, msg=lambda m: f"{key}: {m}")
 
 
-def prefetch_run(rank: int, world_size: int) -> None:
-    """Each layer graph's first gather is taken from the one issued during the previous layer's
-    graph: every gather of a step but the first layer's forward (plain ZeRO-3), every forward
-    gather but the first (all three, whose backward gathers nothing across ranks with one rank per
-    node) in the second step, with nothing issued in vain; and the training is the same to the
-    bit, collectives included, as with the pass switched off."""
+FINISHED_IN_GRAPH = ("finish_reductions_later",)
+
+
+def overlap_across_layers_run(rank: int, world_size: int) -> None:
+    """An HF Llama's layer graphs, plain ZeRO-3 and all three, with both passes that overlap
+    communication across graphs, and with each switched off. Each layer graph's first gather is
+    taken from the one issued during the previous layer's graph: every gather of a step but the
+    first layer's forward (plain ZeRO-3), every forward gather but the first (all three, whose
+    backward gathers nothing across ranks with one rank per node) in the second step, with nothing
+    issued in vain. Each backward graph's last reductions end during the next graph or at the end
+    of backward: every gradient of both steps, the layers' and those of the graphs around them (the
+    embedding's, the head's), set on its parameter then. The training is the same to the bit,
+    collectives included, with either pass switched off."""
     transformers = pytest.importorskip("transformers")
     build = lambda: llama(transformers)  # noqa: E731
+    every_gradient = 2 * len(list(build().parameters()))
     for options, taken in (({}, 2 * LAYERS - 1), (ALL_THREE, LAYERS - 1)):
-        with_prefetch = prefetched_steps(rank, world_size, build, llama_loss, options, steps=2)
-        without = prefetched_steps(rank, world_size, build, llama_loss, {**options, "disable_passes": NO_PREFETCH},
-                                   steps=2)
-        assert with_prefetch[1] == [(0, taken + 1, 0), (taken, 1, 0)], (options, with_prefetch[1])
-        assert without[1] == [(0, 0, 0)] * 2
-        assert_same_training(with_prefetch, without)
+        prefetched = [(0, taken + 1, 0), (taken, 1, 0)]
+        # Three models stay well under Dynamo's cap of graphs per frame (8); a reset before each
+        # would have each compile from nothing, which takes longer.
+        torch.compiler.reset()
+        runs = {}
+        for disabled, expected_prefetch, expected_deferred in (((), prefetched, every_gradient),
+                                                               (NO_PREFETCH, [(0, 0, 0)] * 2, every_gradient),
+                                                               (FINISHED_IN_GRAPH, prefetched, 0)):
+            DEFERRED.deferred = 0
+            runs[disabled] = prefetched_steps(rank, world_size, build, llama_loss,
+                                              {**options, "disable_passes": disabled}, steps=2)
+            assert runs[disabled][1] == expected_prefetch, (options, disabled, runs[disabled][1])
+            assert DEFERRED.deferred == expected_deferred, (options, disabled, DEFERRED.deferred)
+            assert not (DEFERRED.unfinished or DEFERRED.placeholders or DEFERRED.backward_ends)
+        assert_same_training(runs[()], runs[NO_PREFETCH])
+        assert_same_training(runs[()], runs[FINISHED_IN_GRAPH])
 
 
 def prefetch_misguessed_run(rank: int, world_size: int) -> None:
@@ -369,30 +387,17 @@ def prefetch_misguessed_run(rank: int, world_size: int) -> None:
         assert runs[0][1] == [(0, 8, 0), (6, 2, 1), (3, 3, 2), (5, 3, 2)], (inductor, runs[0][1])
 
 
-FINISHED_IN_GRAPH = ("finish_reductions_later",)
-
-
-def reductions_finished_later_run(rank: int, world_size: int) -> None:
-    """Each backward graph's last reductions end during the next graph or at the end of backward,
-    every gradient set on its parameter by then; the training is the same to the bit,
-    collectives included, as with the pass switched off (plain ZeRO-3 and all three on an HF
-    Llama), and to fp32 rounding under Inductor (a stack of MLP layers)."""
-    transformers = pytest.importorskip("transformers")
-    llama_model = lambda: llama(transformers)  # noqa: E731
-    for build, loss_of, options, inductor in ((llama_model, llama_loss, {}, False),
-                                              (llama_model, llama_loss, ALL_THREE, False),
-                                              (SkippingStack, stack_loss, {}, True)):
-        torch.compiler.reset()  # Dynamo would stop compiling the model's frame at its cap of graphs
-        DEFERRED.deferred = 0
-        later = prefetched_steps(rank, world_size, build, loss_of, options, steps=2, inductor=inductor)
-        # Every gradient, both steps, set on its parameter when its reduction ended: the layers'
-        # and those of the graphs around them (an HF model's embedding's, its head's).
-        assert DEFERRED.deferred == 2 * len(list(build().parameters()))
-        assert not (DEFERRED.unfinished or DEFERRED.placeholders or DEFERRED.backward_ends)
-        torch.compiler.reset()
-        in_graph = prefetched_steps(rank, world_size, build, loss_of,
-                                    {**options, "disable_passes": FINISHED_IN_GRAPH}, steps=2, inductor=inductor)
-        assert_same_training(later, in_graph, exact=not inductor)
+def reductions_finished_later_inductor_run(rank: int, world_size: int) -> None:
+    """Under Inductor, a stack of MLP layers whose backward graphs finish their last reductions
+    later trains as with the pass switched off, to fp32 rounding, every gradient of both steps set
+    on its parameter when its reduction ended."""
+    DEFERRED.deferred = 0
+    later = prefetched_steps(rank, world_size, SkippingStack, stack_loss, {}, steps=2, inductor=True)
+    assert DEFERRED.deferred == 2 * len(list(SkippingStack().parameters()))
+    assert not (DEFERRED.unfinished or DEFERRED.placeholders or DEFERRED.backward_ends)
+    in_graph = prefetched_steps(rank, world_size, SkippingStack, stack_loss, {"disable_passes": FINISHED_IN_GRAPH},
+                                steps=2, inductor=True)
+    assert_same_training(later, in_graph, exact=False)
 
 
 def stack_gradients(rank: int, world_size: int, options: dict, use: Callable[[nn.Module, Callable], None]) -> dict:
@@ -437,11 +442,10 @@ def reductions_finished_later_elsewhere_run(rank: int, world_size: int) -> None:
         loss(step, 0).backward()
 
     for use in (accumulate, hand_back, hooked, failed_then_cleared):
-        torch.compiler.reset()
+        torch.compiler.reset()  # eight models in all would reach Dynamo's cap of graphs per frame
         DEFERRED.finished = 0
         later = stack_gradients(rank, world_size, {}, use)
         assert DEFERRED.finished > 0, use.__name__  # the graphs did leave their reductions to finish later
-        torch.compiler.reset()
         in_graph = stack_gradients(rank, world_size, {"disable_passes": FINISHED_IN_GRAPH}, use)
         for name, grad in later.items():
             torch.testing.assert_close(grad, in_graph[name], rtol=0, atol=0,
@@ -453,10 +457,14 @@ def reductions_finished_later_elsewhere_run(rank: int, world_size: int) -> None:
 def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
     run_ranks(in_turn, 2, {"hf llama": (compile_once_run,), "numbered layers": (numbered_layers_run,),
                            "checkpointing": (checkpointing_layers_run,), "all three": (same_collectives_run,),
-                           "inductor": (inductor_run,), "kv cache": (kv_cache_run,),
-                           "no sync": (no_sync_layers_run,), "prefetch": (prefetch_run,),
+                           "inductor": (inductor_run,), "overlap across layers": (overlap_across_layers_run,)})
+
+
+@pytest.mark.distributed
+def test_layers_compiled_once_through_caches_accumulation_hooks_and_skipped_layers():
+    run_ranks(in_turn, 2, {"kv cache": (kv_cache_run,), "no sync": (no_sync_layers_run,),
                            "prefetch misguessed": (prefetch_misguessed_run,),
-                           "reductions finished later": (reductions_finished_later_run,),
+                           "reductions finished later, inductor": (reductions_finished_later_inductor_run,),
                            "reductions finished later, elsewhere": (reductions_finished_later_elsewhere_run,)})
 
 
