@@ -461,7 +461,7 @@ def test_layers_compiled_once_match_unsharded_model_and_regather_in_backward():
 
 
 @pytest.mark.distributed
-def test_layers_compiled_once_through_caches_accumulation_hooks_and_skipped_layers():
+def test_layers_compiled_once_with_kv_cache_accumulation_hooks_and_skipped_layers():
     run_ranks(in_turn, 2, {"kv cache": (kv_cache_run,), "no sync": (no_sync_layers_run,),
                            "prefetch misguessed": (prefetch_misguessed_run,),
                            "reductions finished later, inductor": (reductions_finished_later_inductor_run,),
