@@ -8,7 +8,7 @@ import torch.fx as fx
 from ..runtime.ops import reduce_grad_args
 from ..torch_compat import FWD_NN_MODULE_STACK, NN_MODULE_STACK
 from .base import READ_REPEATEDLY, PassContext
-from .fx_util import descendants, gathered_param, nodes_calling, replace_with_traced
+from .fx_util import descendants, gathered_param, insert_traced, nodes_calling, replace_with_traced
 
 
 def gather_once(graph: fx.Graph, ctx: PassContext) -> None:
@@ -24,9 +24,15 @@ def gather_once(graph: fx.Graph, ctx: PassContext) -> None:
     in the reduction's dtype) at the last of them, and the others into zeros. Reductions are
     linear, so the gradient is that of the separate reductions, for the bytes of one gather and
     one reduction. Reshard after forward then re-gathers the weight once for backward.
+
+    A weight the graph returns is held for a later graph (`layer_graphs.tie_across_graphs`: an
+    embedding tied to the head, with Config.compile_layers_once): autograd adds the gradient that
+    graph sends back to the gradient of the uses here. Autograd sums a weight's uses in the
+    weight's dtype; this sums them in the reduction's, as merged reductions are.
     """
     _merge_gathers(graph)
     _merge_reductions(graph)
+    _sum_uses_in_reduce_dtype(graph)
 
 
 def _merge_gathers(graph: fx.Graph) -> None:
@@ -37,6 +43,8 @@ def _merge_gathers(graph: fx.Graph) -> None:
             gather.replace_all_uses_with(first)
             _erase_with_unused_inputs(graph, gather)
             first.meta[READ_REPEATEDLY] = True
+        elif any(user.op == "output" for user in gather.users):  # held for a later graph
+            gather.meta[READ_REPEATEDLY] = True
 
 
 def _merge_reductions(graph: fx.Graph) -> None:
@@ -51,6 +59,33 @@ def _merge_reductions(graph: fx.Graph) -> None:
     for reductions in by_gradient.values():
         if len(reductions) > 1:
             _reduce_sum_once(graph, reductions)
+
+
+def _sum_uses_in_reduce_dtype(graph: fx.Graph) -> None:
+    """Each reduction of a sum autograd formed (a weight's uses) sums in the reduction's dtype."""
+    for reduction in nodes_calling(graph, torch.ops.zpp.reduce_grad.default):
+        args = reduce_grad_args(reduction)
+        terms = _summed_terms(args.grad)
+        if len(terms) > 1 and any(term.meta["val"].dtype != args.dtype for term in terms):
+            total = insert_traced(graph, reduction, _sum_in, args.dtype, *terms)
+            reduction.replace_input_with(args.grad, total)
+            _erase_with_unused_inputs(graph, args.grad)
+
+
+def _summed_terms(node: fx.Node) -> list[fx.Node]:
+    """The terms of `node` if it is a sum of `aten.add`s used only by that sum, else [node]."""
+    if (node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.users) > 1
+            or not all(isinstance(operand, fx.Node) for operand in node.args)):
+        return [node]
+    return [term for operand in node.args for term in _summed_terms(operand)]
+
+
+def _sum_in(dtype: torch.dtype, *terms: torch.Tensor) -> torch.Tensor:
+    """The sum of `terms`, each cast to `dtype` first."""
+    total = terms[0].to(dtype)
+    for term in terms[1:]:
+        total = total + term.to(dtype)
+    return total
 
 
 def _reduce_sum_once(graph: fx.Graph, reductions: list[fx.Node]) -> None:
@@ -69,10 +104,7 @@ def _reduce_sum_once(graph: fx.Graph, reductions: list[fx.Node]) -> None:
 
 def _reduce_sum(shard_numel: int, group_size: int, group_name: str, dtype: torch.dtype,
                 *grads: torch.Tensor) -> torch.Tensor:
-    total = grads[0].to(dtype)
-    for grad in grads[1:]:
-        total = total + grad.to(dtype)
-    return torch.ops.zpp.reduce_grad(total, shard_numel, group_size, group_name, dtype)
+    return torch.ops.zpp.reduce_grad(_sum_in(dtype, *grads), shard_numel, group_size, group_name, dtype)
 
 
 def _zeros(shard_numel: int, dtype: torch.dtype, grad: torch.Tensor) -> torch.Tensor:

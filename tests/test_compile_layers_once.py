@@ -31,11 +31,11 @@ PER_RANK = 2
 VOCAB = 61
 
 
-def llama(transformers, layers: int = LAYERS, use_cache: bool = False) -> nn.Module:
+def llama(transformers, layers: int = LAYERS, use_cache: bool = False, tied: bool = False) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=72, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, use_cache=use_cache,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=use_cache, tie_word_embeddings=tied,
     )
     return transformers.LlamaForCausalLM(config).to(device())
 
@@ -70,18 +70,25 @@ def compile_once_run(rank: int, world_size: int) -> None:
     transformers = pytest.importorskip("transformers")
     tokens = batches(1, world_size, PER_RANK, vocab=VOCAB)[0][0].to(device())
     mine = tokens[rank * PER_RANK:(rank + 1) * PER_RANK]
-    reference = llama(transformers)
+    reference = llama(transformers, tied=True)
     reference(input_ids=tokens, labels=tokens).loss.backward()
-    expected = {name: p.grad for name, p in reference.named_parameters()}
+    expected = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False)}
 
-    grads = {}
+    grads, reports = {}, {}
     for once in (False, True):
-        model = zpp.shard(llama(transformers), zpp.Config(compile_layers_once=once))
+        model = zpp.shard(llama(transformers, tied=True), zpp.Config(compile_layers_once=once))
         graphs: list = []
         zpp.reset_comm_report()
-        torch.compile(model, backend=counting_backend(graphs, {"inductor": False}))(
-            input_ids=mine, labels=mine).loss.backward()
+        step = torch.compile(model, backend=counting_backend(graphs, {"inductor": False}))
+        step(input_ids=mine, labels=mine).loss.backward()
         grads[once] = sharded_grads(model)
+        reports[once] = report = zpp.comm_report()
+        # A second step, on the weights the first one trained: its gradients too are the same.
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        step(input_ids=mine, labels=mine).loss.backward()
+        grads[once, "trained"] = sharded_grads(model)
         if once:
             # At its visits of the model's modules Dynamo walks none of their parameters (what that
             # skips: test_torch_compat); the classes keep the names transformers matches them by.
@@ -96,26 +103,36 @@ def compile_once_run(rank: int, world_size: int) -> None:
             ran = {name: graph for (owner, name), graph in zpp.COMPILATION.layer_graphs.items() if owner == sharding_id}
             assert sorted(ran) == [f"model.layers.{i}" for i in range(LAYERS)] and len(set(ran.values())) == 1
             # Reshard after forward: backward gathers every layer's weights again. Forward gathers
-            # the embedding, each layer (one bucket each), the final norm and the head (each in a
-            # graph of its own: the step's graph breaks at the layers); backward all but the
-            # embedding, whose gradient needs no weight.
-            report = zpp.comm_report()
+            # the embedding, each layer (one bucket each) and the final norm (each in a graph of its
+            # own: the step's graph breaks at the layers); the head, tied to the embedding, takes
+            # the embedding's weight, held from that graph's gather, and keeps it for its backward.
+            # Backward gathers the layers and the norm: the embedding's gradient needs no weight.
             gathers = Counter(row.phase for row in report.rows)
-            assert (gathers["forward weight gather"], gathers["backward weight gather"]) == (LAYERS + 3, LAYERS + 2)
+            assert (gathers["forward weight gather"], gathers["backward weight gather"]) == (LAYERS + 2, LAYERS + 1)
             # An evaluation between steps runs graphs of its own, not the training step's.
             with torch.no_grad():
                 torch.compile(model, backend="zeropp", options={"inductor": False})(input_ids=mine)
             assert zpp.comm_report() == report
-    # The same ops in the same order: the same gradients, to the bit.
+    # The whole-step graph's collectives but one: it gathers the tied weight again for the head's backward.
+    whole, once = reports[False].by_phase(), reports[True].by_phase()
+    regather = "backward weight gather"
+    assert {k: v for k, v in once.items() if k != regather} == {k: v for k, v in whole.items() if k != regather}
+    tied_bytes = model.lm_head._zpp.layouts["weight"].shard_size * 4 * (world_size - 1)  # what the others send
+    assert sum(once[regather]) == sum(whole[regather]) - tied_bytes
+    # The same ops in the same order: the same gradients, to the bit, in both steps.
+    for key in (False, (False, "trained")):
+        other = (True, "trained") if key else True
+        for name, grad in grads[other].items():
+            assert torch.equal(grad, grads[key][name]), (key, name)
     for name, grad in grads[True].items():
-        assert torch.equal(grad, grads[False][name]), name
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
-    # Run eagerly, the layers compute just the same.
+    # Run eagerly (on the trained weights), the layers compute just the same.
     model.zero_grad()
     model(input_ids=mine, labels=mine).loss.backward()
     for name, grad in sharded_grads(model).items():
-        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, grads[True, "trained"][name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 class NumberedLayer(nn.Module):

@@ -120,6 +120,19 @@ class ReadTwice(nn.Module):
         return self.fc(torch.relu(self.fc(x))).sum()
 
 
+class HeldForLaterGraph(nn.Module):
+    """An embedding tied to a head in a later graph (Config.compile_layers_once): the graph reads
+    the weight, gathered in bf16, and returns it for the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shard = nn.Parameter(torch.randn(16))
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = gathered(self.shard, torch.bfloat16)
+        return nn.functional.embedding(tokens, weight.view(8, 8)).float().sum(), weight
+
+
 # ------------------------------------------------------------------------------ graphs and contexts
 
 
@@ -239,6 +252,25 @@ def test_gather_once__one_gather_and_one_reduction_for_a_weight_read_twice():
     (zeros,) = [n for n in ancestors(parameter_grad) if n.target in (aten.full.default, aten.zeros.default,
                                                                        aten.new_zeros.default)]
     assert tuple(zeros.meta["val"].shape) == (16,)
+    joint.graph.lint()
+
+
+def test_gather_once__a_weight_held_for_a_later_graph_sums_its_gradients_in_the_reduce_dtype():
+    joint = capture_joint(HeldForLaterGraph(), torch.tensor([[1, 2, 2]]))
+    (reduction,) = calls(joint.graph, REDUCE)
+    assert reduce_grad_args(reduction).grad.meta["val"].dtype == torch.bfloat16  # autograd's sum of the two uses
+
+    gather_once(joint.graph, context(layers=()))
+
+    (gather,) = calls(joint.graph, GATHER)
+    assert gather.meta[READ_REPEATEDLY]  # bucketed apart from the weights this graph alone reads
+    # The later graph's gradient (a tangent) and the embedding's, each cast, then summed in float32.
+    summed = reduce_grad_args(reduction).grad
+    assert summed.target is aten.add.Tensor and summed.meta["val"].dtype == torch.float32
+    cast = torch.ops.prims.convert_element_type.default
+    assert [(term.target, term.args[0].meta["val"].dtype) for term in summed.args] == [(cast, torch.bfloat16)] * 2
+    assert any(term.args[0].op == "placeholder" and term.args[0].target.startswith("tangents") for term in summed.args)
+    assert calls(joint.graph, aten.add.Tensor) == [summed]  # autograd's sum in bf16 is gone
     joint.graph.lint()
 
 

@@ -30,16 +30,23 @@ from .torch_compat import in_autograd_backward
 
 
 class ForwardScope:
-    """How many forwards of one sharded model are running now."""
+    """How many forwards of one sharded model are running now, and the tied weights they gathered."""
 
     def __init__(self) -> None:
         self.depth = 0
+        # Compiled with Config.compile_layers_once: the weights of parameters tied across graphs,
+        # gathered at their first read in this forward (`layer_graphs.tie_across_graphs`).
+        self.tied_weights: dict[int, torch.Tensor] = {}
 
     def enter(self, *_: Any) -> None:
+        if self.depth == 0:
+            self.tied_weights.clear()
         self.depth += 1
 
     def leave(self, *_: Any) -> None:
         self.depth -= 1
+        if self.depth == 0:
+            self.tied_weights.clear()
 
     def gathers(self) -> bool:
         """Whether a parameter read now gathers the weight (else it is the shard)."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from .module_state import HeldShards, held_shards
 from .runtime.registry import COMPILATION
 from .torch_compat import frame_recompile_limit
 
@@ -52,6 +53,25 @@ def compile_layers_once(layers: dict[str, nn.Module], sharding_id: int) -> None:
 # Identical layers whose forwards read different constants (an HF layer's layer_idx) get a graph
 # each; torch's default cap on a frame's compilations (8) would run deeper models' layers eagerly.
 _LAYER_GRAPHS_PER_FRAME = 1024
+
+
+def tie_across_graphs(model: nn.Module, layers: tuple[str, ...]) -> None:
+    """Marks every parameter that several modules outside `layers` hold (an embedding tied to the
+    output head) to be gathered at its first read in a forward and held for the others."""
+    holders: dict[int, list[tuple[HeldShards, str]]] = {}
+    for qualified, module in model.named_modules():
+        held = held_shards(module)
+        if held is None:
+            continue
+        held.tied = {}
+        if any(qualified == layer or qualified.startswith(f"{layer}.") for layer in layers):
+            continue
+        for name in held.layouts:
+            holders.setdefault(id(module._parameters[name]), []).append((held, name))
+    for key, tied in holders.items():
+        if len(tied) > 1:
+            for held, name in tied:
+                held.tied[name] = key
 
 
 def _compiled_on_its_own(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -52,6 +52,9 @@ class HeldShards:
     accumulators: dict[str, Any] = field(default_factory=dict)
     # Inside a leaf module (Config.leaf_modules): the weights it gathered on entry, by parameter name.
     leaf_weights: dict[str, torch.Tensor] | None = None
+    # Config.compile_layers_once: the parameters this module shares with another module outside
+    # the layers, by name, each with the key its weight is held under in a forward (`ForwardScope`).
+    tied: dict[str, int] = field(default_factory=dict)
     gather_args: dict[str, GatherArgs] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -29,7 +29,7 @@ from .config import Config, ConfigError
 from . import leaf_modules, padding
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .grad_sync import gathered_weight
-from .layer_graphs import compile_layers_once
+from .layer_graphs import compile_layers_once, tie_across_graphs
 from .module_state import HeldShards, ParamLayout, held_shards
 from .initialization import (
     MetaInit, accept_full_tensors, await_initialization, broadcast_buffers, check_initialized, children_first, listing,
@@ -102,6 +102,7 @@ def shard(
         accept_full_tensors(module)
     if config.compile_layers_once:
         compile_layers_once(layers, sharding_id)
+        tie_across_graphs(model, tuple(layers))
     for leaf in leaves:
         leaf_modules.attach(leaf)
     attach_to_model(model, scope)
@@ -365,6 +366,9 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
         module._parameters[name] = new
     held.accumulators.pop(name, None)
     held.set_layouts(layouts)
+    model = next((model for model, its_state in REGISTRY.models.items() if its_state is state), None)
+    if state.config.compile_layers_once and model is not None:
+        tie_across_graphs(model, state.layers)  # a parameter tied, or untied, by the assignment
 
 
 def _apply_to_shards(
