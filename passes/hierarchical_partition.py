@@ -30,8 +30,10 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
     member = topology.secondary_member
     secondary = topology.secondary.name
     # Backward's uses of a weight: those of the gradient, and those of forward nodes that
-    # activation checkpointing recomputes in backward.
+    # activation checkpointing recomputes in backward. Not the output, which returns forward's
+    # results too: a weight returned there is held for a later graph, which keeps it for backward.
     needs_grad = backward_nodes(graph) | {n for n in graph.nodes if n.meta.get(RECOMPUTED)}
+    needs_grad -= set(graph.find_nodes(op="output"))
     order = {node: index for index, node in enumerate(graph.nodes)}
     for gather in weight_gathers(graph):
         chain = weight_chain(gather.weight)

@@ -24,6 +24,7 @@ from zpp_compile.dump import read_layer_runs
 from zpp_compile.ledger import CollectiveRecord, CommReport, GraphComm
 from zpp_compile.runtime.registry import DEFERRED, PREFETCH
 from zpp_compile.runtime.topology import Group
+from zpp_compile.runtime.weight_quant_format import packed_weight_bytes
 from zpp_compile.torch_compat import ListedWithoutDynamoWalks
 
 LAYERS = 3
@@ -201,24 +202,30 @@ def kv_cache_run(rank: int, world_size: int) -> None:
 
 
 def same_collectives_run(rank: int, world_size: int) -> None:
-    """All three techniques, 2 ranks as 2 nodes: the step moves the same bytes over each link in
-    each phase with and without layers compiled on their own, and reports the same hpZ copy: a
-    layer's graph counts once per layer that ran it. (The final norm and the head are a bucket
-    of the step's graph, and two graphs of their own when the step's graph breaks at the layers.)"""
+    """All three techniques, 2 ranks as 2 nodes, an HF Llama whose embedding is tied to its head:
+    the step moves the same bytes over each link in each phase with and without layers compiled
+    on their own (a layer's graph counts once per layer that ran it), and gives the same gradients
+    to the bit. The layer graphs hold one hpZ copy fewer: the head's graph keeps the tied weight
+    itself for its backward, where the whole-step graph keeps a copy to gather it from again. (The
+    final norm and the head are a bucket of the step's graph, and a graph of their own when the
+    step's graph breaks at the layers.)"""
     transformers = pytest.importorskip("transformers")
     tokens = batches(1, world_size, PER_RANK, vocab=VOCAB)[0][0].to(device())
     mine = tokens[rank * PER_RANK:(rank + 1) * PER_RANK]
-    reports = []
+    reports, grads = [], []
     for once in (False, True):
-        config = zpp.Config(compile_layers_once=once, quantized_weights=True, weight_block_size=32,
-                            hpz_partition_size=1, quantized_gradients=True, gradient_block_size=32, ranks_per_node=1)
-        model = zpp.shard(llama(transformers), config)
+        config = zpp.Config(compile_layers_once=once, **ALL_THREE)
+        model = zpp.shard(llama(transformers, tied=True), config)
         zpp.reset_comm_report()
         torch.compile(model, backend="zeropp", options={"inductor": False})(input_ids=mine, labels=mine).loss.backward()
         report = zpp.comm_report()
         reports.append((report.by_phase(), report.secondary_bytes))
-    assert reports[0][1] > 0
-    assert reports[1] == reports[0]
+        grads.append(sharded_grads(model))
+    tied = model.lm_head._zpp.layouts["weight"]
+    tied_copy = world_size * packed_weight_bytes(tied.shard_size, ALL_THREE["weight_block_size"])
+    assert reports[1] == (reports[0][0], reports[0][1] - tied_copy)
+    for name, grad in grads[1].items():
+        assert torch.equal(grad, grads[0][name]), name
 
 
 class CheckpointingLayer(nn.Module):

@@ -448,6 +448,16 @@ def test_hierarchical_partition__after_qwz_the_copy_is_int8_and_backward_dequant
                                                      ("all_gather_into_tensor", WORLD, 4, torch.float32)}
 
 
+def test_hierarchical_partition__a_weight_held_for_a_later_graph_gets_no_copy():
+    # The graph returns the weight, and its backward reads none: nothing to keep a copy for.
+    joint = capture_joint(HeldForLaterGraph(), torch.tensor([[1, 2, 2]]))
+    hierarchical_partition(joint.graph, context(topology=topology(1, (0, 1)), hpz_partition_size=2))
+    assert not [n for n in joint.graph.nodes if n.meta.get(SECONDARY_COPY)]
+    (gather,) = calls(joint.graph, GATHER)
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    assert output.args[0][1] is gather  # the gathered weight itself, not one rebuilt from a copy
+
+
 # --------------------------------------------------------------------------------- lowering passes
 
 
