@@ -135,6 +135,15 @@ def compile_once_run(rank: int, world_size: int) -> None:
         torch.testing.assert_close(grad, grads[True, "trained"][name], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
 
+    # Untied and tied again after sharding (as HF's tie_weights() assigns), the weights held
+    # across graphs follow.
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert head._zpp.tied == embedding._zpp.tied != {}
+    head.weight = nn.Parameter(torch.zeros(VOCAB, 32, device=device()))
+    assert head._zpp.tied == embedding._zpp.tied == {}
+    head.weight = embedding.weight
+    assert head._zpp.tied == embedding._zpp.tied != {}
+
 
 class NumberedLayer(nn.Module):
     """A layer whose forward reads a number of its own, as an HF layer may read its layer_idx:

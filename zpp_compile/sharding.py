@@ -366,9 +366,10 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
         module._parameters[name] = new
     held.accumulators.pop(name, None)
     held.set_layouts(layouts)
-    model = next((model for model, its_state in REGISTRY.models.items() if its_state is state), None)
-    if state.config.compile_layers_once and model is not None:
-        tie_across_graphs(model, state.layers)  # a parameter tied, or untied, by the assignment
+    if state.config.compile_layers_once:  # a parameter tied, or untied, by the assignment
+        model = next((model for model, its_state in REGISTRY.models.items() if its_state is state), None)
+        if model is not None:
+            tie_across_graphs(model, state.layers)
 
 
 def _apply_to_shards(
