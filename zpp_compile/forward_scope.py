@@ -39,7 +39,7 @@ class ForwardScope:
         self.tied_weights: dict[int, torch.Tensor] = {}
 
     def enter(self, *_: Any) -> None:
-        if self.depth == 0:
+        if self.depth == 0:  # leave() cleared them, unless a forward ended without it: never hold a stale weight
             self.tied_weights.clear()
         self.depth += 1
 

@@ -81,11 +81,12 @@ def gather_shard(module: nn.Module, name: str) -> torch.Tensor:
     # Compiled, a weight tied across graphs is gathered once per forward of the model and held
     # until that forward ends (`layer_graphs.tie_across_graphs`); the model's hooks end it, so a
     # forward called without them (`model.forward(...)`) gathers at every read.
-    tie = held.tied.get(name) if torch.compiler.is_compiling() else None
+    compiling = torch.compiler.is_compiling()
+    tie = held.tied.get(name) if compiling else None
     tied_weights = held.scope.tied_weights if tie is not None and held.scope.depth else None
     gathered = tied_weights.get(tie) if tied_weights is not None else None
     if gathered is None:
-        if not torch.compiler.is_compiling():
+        if not compiling:
             _check_same_gather(module, name)
         gathered = torch.ops.zpp.all_gather_param(shard.to_local().reshape(-1), shard_size, group_size, *op_args)
         if tied_weights is not None:

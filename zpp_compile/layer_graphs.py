@@ -58,13 +58,14 @@ _LAYER_GRAPHS_PER_FRAME = 1024
 def tie_across_graphs(model: nn.Module, layers: tuple[str, ...]) -> None:
     """Marks every parameter that several modules outside `layers` hold (an embedding tied to the
     output head) to be gathered at its first read in a forward and held for the others."""
+    in_layers = {id(member) for layer in layers for member in model.get_submodule(layer).modules()}
     holders: dict[int, list[tuple[HeldShards, str]]] = {}
-    for qualified, module in model.named_modules():
+    for module in model.modules():
         held = held_shards(module)
         if held is None:
             continue
         held.tied = {}
-        if any(qualified == layer or qualified.startswith(f"{layer}.") for layer in layers):
+        if id(module) in in_layers:
             continue
         for name in held.layouts:
             holders.setdefault(id(module._parameters[name]), []).append((held, name))

@@ -340,6 +340,7 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
     held = held_shards(module)
     state = REGISTRY.states[held.sharding_id]
     layouts, where = dict(held.layouts), f"{type(module).__name__.removeprefix('Sharded')}.{name}"
+    is_shard = False  # another module's shard assigned here: a tie
     if value is None:
         layouts.pop(name, None)
         module._parameters[name] = None
@@ -366,7 +367,7 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
         module._parameters[name] = new
     held.accumulators.pop(name, None)
     held.set_layouts(layouts)
-    if state.config.compile_layers_once:  # a parameter tied, or untied, by the assignment
+    if state.config.compile_layers_once and (is_shard or name in held.tied):  # a tie made or undone
         model = next((model for model, its_state in REGISTRY.models.items() if its_state is state), None)
         if model is not None:
             tie_across_graphs(model, state.layers)
