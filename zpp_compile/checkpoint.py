@@ -16,6 +16,13 @@ The checksums live in a file of their own rather than in DCP's metadata: rank 0 
 DCP's save has finished, so a save interrupted midway leaves no checksum file and is refused;
 it can be checked before DCP reads anything; and it needs no custom DCP planner or storage
 writer, so the checkpoint stays one that torch's own `dcp.load` reads.
+
+[Note: buffers in checkpoints] Buffers are each rank's own: `shard` gives every rank rank 0's (of
+a model built on a device), and a forward that updates them (BatchNorm's running statistics, in
+training mode) updates each rank's copy from its own batch, as under FSDP2, or DDP without buffer
+broadcasts. A checkpoint holds rank 0's copy (DCP keeps one copy of a tensor every rank saves, here
+the lowest rank's, so that what is stored is what rank 0 checksummed), and a load gives every rank
+that copy, each rank verifying its own against the checksum.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import json
 import math
 import os
 import pickle
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -34,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -44,7 +54,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .initialization import listing, shard_rows
+from .runtime.agreement import RankMismatchError, check_same_call
 from .runtime.registry import REGISTRY
+from .runtime.topology import Topology
 
 CHECKSUM_FILE = "zeropp_checksums.json"
 _FORMAT = "zeropp-checksums-1"
@@ -60,30 +72,36 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
     """Saves the sharded model and its optimizer's state to the directory `path` (a collective).
 
-    Every rank writes its own shards (torch.distributed.checkpoint); rank 0 then writes the
-    checksums. The checkpoint loads at any world size with `load_checkpoint`, or with
+    Every rank writes its own shards (torch.distributed.checkpoint) into a directory beside `path`;
+    rank 0 then writes the checksums and puts the new checkpoint in the place of `path`, so that a
+    save that stops anywhere leaves the checkpoint `path` held before, or the new one, never
+    neither (`_put_in_place`). Buffers are rank 0's (see [Note: buffers in checkpoints]). The
+    checkpoint loads at any world size with `load_checkpoint`, or with
     `torch.distributed.checkpoint` directly ({"model": ..., "optim": ...} as `get_state_dict`
     returns them). Pass `optimizer=None` to save the model alone.
     """
-    group = _process_group(model, "save_checkpoint")
+    group, topology = _process_group(model, "save_checkpoint")
     path = Path(path)
+    _every_rank_calls(topology, "save_checkpoint", path)
     state = _state_dicts(model, optimizer)
     entries = _flatten(state)
     partial = {name: _checksum_part(value) for name, value in entries.items() if isinstance(value, DTensor)}
-    if dist.get_rank() == 0:
-        (path / CHECKSUM_FILE).unlink(missing_ok=True)  # a save that stops midway must not look complete
+    staging = _beside(path, "saving")
+    prepared = _prepare_staging(path, staging) if dist.get_rank(group) == 0 else None
+    _agree(group, "save_checkpoint", prepared, f"Nothing was saved; {path} is as it was")
     try:
-        dcp.save(state, checkpoint_id=path)
+        dcp.save(state, checkpoint_id=staging, process_group=group,
+                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
-        raise CheckpointError(f"zpp.save_checkpoint: writing {path} failed: {_summary(error)}") from error
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, partial, group=group)
-    written: list[Any] = [None]
-    if dist.get_rank() == 0:
-        written[0] = _write_checksums(path, entries, everyone)
-    dist.broadcast_object_list(written, group_src=0, group=group)
-    if written[0]:
-        raise CheckpointError(f"zpp.save_checkpoint: {written[0]}")
+        raise CheckpointError(f"zpp.save_checkpoint: writing {path} failed: {_summary(error)}; {path} is as it was "
+                              "before this save") from error
+    everyone = _all_gather(group, partial, f"zpp.save_checkpoint: saving {path}",
+                           f"{path} is as it was before this save")
+    problem = None
+    if dist.get_rank(group) == 0:
+        problem = _write_checksums(staging, entries, everyone) or _put_in_place(staging, path)
+    _agree(group, "save_checkpoint", problem, f"{path} holds the new checkpoint or the one before, whichever is "
+           "complete (load_checkpoint finds it)")
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
@@ -94,24 +112,27 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
     file, or a checksum that does not match, raises `CheckpointError` on every rank and leaves the
     model and the optimizer exactly as they were. Pass `optimizer=None` to load the model alone.
     """
-    group = _process_group(model, "load_checkpoint")
-    path = Path(path)
+    group, topology = _process_group(model, "load_checkpoint")
+    path = _complete_one(Path(path))
+    _every_rank_calls(topology, "load_checkpoint", path)
     had_state = optimizer is not None and bool(optimizer.state)
     try:
         problem, saved = _read_checksums(path, optimizer)
         template = _state_dicts(model, optimizer)
-        _agree(group, problem or _entries_differ(path, saved, template))
+        _agree(group, "load_checkpoint", problem or _entries_differ(path, saved, template),
+               "The model and optimizer are unchanged")
         fresh = _fresh(template, saved)
         problem, unreadable = None, []
         try:
-            dcp.load(fresh, checkpoint_id=path)
+            dcp.load(fresh, checkpoint_id=path, process_group=group)
         except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
             problem = f"torch.distributed.checkpoint could not read {path} ({_summary(error)})"
             unreadable = _unreadable_records(path, dist.get_rank(group), dist.get_world_size(group))
         entries = _flatten(fresh)
         local = [] if problem else _verify_local(entries, saved)
         partial = {} if problem else {n: _checksum_part(v) for n, v in entries.items() if isinstance(v, DTensor)}
-        everyone = _all_gather(group, (problem, unreadable, local, partial))
+        everyone = _all_gather(group, (problem, unreadable, local, partial), "zpp.load_checkpoint: the ranks could "
+                               "not agree on the load", "Nothing was copied into the model or the optimizer")
         _raise_on_problems(path, everyone, saved)
     except BaseException:
         if optimizer is not None and not had_state:
@@ -122,12 +143,83 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, p
     set_model_state_dict(model, fresh["model"])
 
 
-def _process_group(model: nn.Module, caller: str) -> dist.ProcessGroup:
+def _process_group(model: nn.Module, caller: str) -> tuple[dist.ProcessGroup, Topology]:
+    """The model's process group (its `Config.collective_timeout_s` bounds every collective of a
+    save or a load) and topology."""
     state = REGISTRY.state_of(model) if isinstance(model, nn.Module) else None
     if state is None:
         raise ValueError(f"zpp.{caller} needs a model sharded by zpp_compile.shard (or a module holding one), got "
                          f"{type(model).__name__}; for an unsharded model use torch.save / torch.load")
-    return state.topology.mesh.get_group()
+    return state.topology.mesh.get_group(), state.topology
+
+
+def _every_rank_calls(topology: Topology, caller: str, path: Path) -> None:
+    """Raises within `Config.collective_timeout_s` unless every rank is calling `caller` now: a
+    peer that hangs or died before the call, or calls something else, is named instead of
+    holding this rank in the first collective of DCP's."""
+    try:
+        check_same_call(topology, f"zpp.{caller}")
+    except RankMismatchError as error:
+        raise CheckpointError(f"zpp.{caller}({str(path)!r}) did not start: {error}") from error
+
+
+def _beside(path: Path, role: str) -> Path:
+    """The directory beside `path` that a save writes into (`role` "saving") or keeps the checkpoint
+    it replaces in until the new one is in place ("previous")."""
+    path = Path(os.path.abspath(path))
+    return path.with_name(f".{path.name}.zeropp-{role}")
+
+
+def _prepare_staging(path: Path, staging: Path) -> str | None:
+    """Rank 0, before a save: refuses a `path` holding anything but a checkpoint (which the save
+    replaces whole), and clears what an interrupted save left beside it."""
+    if path.exists():
+        others = [] if path.is_dir() else [path.name]
+        others += [] if not path.is_dir() else sorted(entry.name for entry in path.iterdir() if not _is_dcp_file(entry))
+        if others:
+            return (f"{path} exists and holds files that are not a checkpoint's ({listing(others)}); a save replaces "
+                    "the whole directory: save to a new or empty directory, or move those files")
+    shutil.rmtree(staging, ignore_errors=True)
+    if (path / ".metadata").is_file():  # else what a stopped save moved aside may be the last complete one
+        shutil.rmtree(_beside(path, "previous"), ignore_errors=True)
+    return None
+
+
+def _is_dcp_file(entry: Path) -> bool:
+    name = entry.name
+    return entry.is_file() and (name.startswith(".metadata") or ".distcp" in name or CHECKSUM_FILE in name)
+
+
+def _put_in_place(staging: Path, path: Path) -> str | None:
+    """Rank 0: the complete checkpoint in `staging` becomes `path`; what `path` held is kept beside
+    it until then, so that at every moment one complete checkpoint can be found from `path`
+    (`_complete_one`). Returns what went wrong, if anything."""
+    previous = _beside(path, "previous")
+    try:
+        if path.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            _move(path, previous)
+        _move(staging, path)
+        shutil.rmtree(previous, ignore_errors=True)
+    except OSError as error:
+        return (f"putting the new checkpoint in place failed ({error}); it is complete in {staging}, and the one "
+                f"{path} held before is {path if path.exists() else previous}")
+    return None
+
+
+def _move(source: Path, target: Path) -> None:
+    os.replace(source, target)
+
+
+def _complete_one(path: Path) -> Path:
+    """`path`, or, where a save was stopped between moving the checkpoint `path` held aside and
+    putting the new one in its place, that previous checkpoint (the last save that finished)."""
+    previous = _beside(path, "previous")
+    if not path.exists() and (previous / ".metadata").is_file() and (previous / CHECKSUM_FILE).is_file():
+        warnings.warn(f"zpp.load_checkpoint: {path} is missing: a save into it stopped while putting the new "
+                      f"checkpoint in place. Loading the checkpoint it held before, kept at {previous}", stacklevel=3)
+        return previous
+    return path
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -290,14 +382,19 @@ def _check_file_sizes(path: Path, storage: Mapping[Any, Any]) -> str | None:
 def _entries_differ(path: Path, saved: dict[str, dict], template: dict[str, Any]) -> str | None:
     """What the checkpoint and this model and optimizer do not both hold (DCP itself ignores
     what the checkpoint holds beyond what is asked for)."""
-    wanted = set(_flatten(template))
-    sections = {name.split(".")[0] for name in wanted}
-    extra = sorted(name for name in saved if name.split(".")[0] in sections and name not in wanted)
-    missing = sorted(wanted - set(saved))
-    if not extra and not missing:
+    entries = _flatten(template)
+    sections = {name.split(".")[0] for name in entries}
+    extra = sorted(name for name in saved if name.split(".")[0] in sections and name not in entries)
+    missing = sorted(set(entries) - set(saved))
+    reshaped = [f"{name} {tuple(saved[name]['shape'])} in the checkpoint, {tuple(value.shape)} here"
+                for name, value in entries.items()
+                if isinstance(value, torch.Tensor) and name in saved and "shape" in saved[name]
+                and tuple(saved[name]["shape"]) != tuple(value.shape)]
+    if not extra and not missing and not reshaped:
         return None
     found = [f"missing from the checkpoint: {listing(missing)}"] if missing else []
     found += [f"in the checkpoint but not in this model or optimizer: {listing(extra)}"] if extra else []
+    found += [f"of other shapes: {listing(reshaped, 4)}"] if reshaped else []
     return (f"{path} does not fit this model and optimizer ({'; '.join(found)}). Load a checkpoint of the same "
             "architecture and optimizer; an optimizer that has no state yet while the parameters have gradients "
             "shows no state to load into: call optimizer.zero_grad(set_to_none=True) first")
@@ -318,26 +415,24 @@ def _verify_local(entries: dict[str, Any], saved: dict[str, dict]) -> list[str]:
     return damaged
 
 
-def _all_gather(group: dist.ProcessGroup, value: Any) -> list[Any]:
-    """Every rank's `value`; a peer that died or hangs makes this raise within the group's timeout."""
+def _all_gather(group: dist.ProcessGroup, value: Any, doing: str, outcome: str) -> list[Any]:
+    """Every rank's `value`; a peer that died or hangs makes this raise within the group's timeout,
+    saying what this rank was `doing` and the `outcome` for the user."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(everyone, value, group=group)
     except Exception as error:
-        raise CheckpointError(
-            f"zpp.load_checkpoint: the ranks could not agree on the load ({error}); a peer died or hung. "
-            "Nothing was copied into the model or the optimizer"
-        ) from error
+        raise CheckpointError(f"{doing} ({error}); a peer died or hung past Config.collective_timeout_s. "
+                              f"{outcome}") from error
     return everyone
 
 
-def _agree(group: dist.ProcessGroup, problem: str | None) -> None:
-    """Raises on every rank if any rank found a problem."""
-    problems = {p for p in _all_gather(group, problem) if p}
+def _agree(group: dist.ProcessGroup, caller: str, problem: str | None, outcome: str) -> None:
+    """Raises on every rank if any rank found a problem; `outcome` says what that leaves (and what
+    a peer lost meanwhile leaves)."""
+    problems = {p for p in _all_gather(group, problem, f"zpp.{caller}: the ranks could not agree", outcome) if p}
     if problems:
-        raise CheckpointError(
-            f"zpp.load_checkpoint: {'; '.join(sorted(problems))}. The model and optimizer are unchanged"
-        )
+        raise CheckpointError(f"zpp.{caller}: {'; '.join(sorted(problems))}. {outcome}")
 
 
 def _raise_on_problems(path: Path, everyone: list[tuple], saved: dict[str, dict]) -> None:

@@ -16,6 +16,7 @@ decided when it is traced: Dynamo guards on the flag and on whether a kept gradi
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -26,21 +27,35 @@ from .module_state import held_shards
 from .runtime.agreement import check_same_eager_gather
 from .runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal
 from .runtime.registry import REGISTRY
+from .torch_compat import write_count
 
 
 class GradAccumulator:
-    """The gradient one trainable parameter keeps on this rank while sync is off."""
+    """The gradient one trainable parameter keeps on this rank while sync is off.
+
+    [Note: zero_grad drops kept gradients] In one process (and under DDP's `no_sync`) the
+    micro-steps' gradients accumulate in `.grad`, so `zero_grad()` (the model's, the optimizer's,
+    or `.grad = None`) discards them. Here they are full-size and kept beside the parameter, whose
+    `.grad` is its shard's: so while some are kept, `.grad` holds a tensor (zeros, when it was
+    None: the next synced backward adds its gradient to them), and a `.grad` found replaced, set
+    to None or written in place since (`zero_grad(set_to_none=False)` zeroes it) means the user
+    discarded the window: the kept gradients go with it. Checked wherever they are used: before
+    a backward adds to them, when sync changes, and when a synced backward takes them."""
 
     def __init__(self, param: nn.Parameter, shape: torch.Size, dtype: torch.dtype) -> None:
         self.sync = True
+        self.param = weakref.ref(param)
         # A leaf only for autograd to accumulate into: stride 0, so it allocates one element.
         self.sink = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=param.device, requires_grad=True)
+        self.sink.register_hook(self._before_keeping)
         self.pending: torch.Tensor | None = None  # kept gradients the next synced backward takes
+        self.grad_seen: tuple[weakref.ref, int] | None = None  # the parameter's .grad and its version, while kept
         key = next(REGISTRY.accumulator_keys)
         REGISTRY.accumulators[key] = self
         self.token = torch.tensor(key)  # what `zpp::add_kept_grad` finds this accumulator by
 
     def set_sync(self, sync: bool) -> None:
+        self._drop_if_discarded()
         kept, self.sink.grad = self.sink.grad, None
         if sync and kept is not None:
             self.pending = kept if self.pending is None else self.pending + kept
@@ -51,8 +66,26 @@ class GradAccumulator:
     def take_pending(self) -> torch.Tensor | None:
         """The kept gradients, for the backward running now (`zpp::add_kept_grad`); this
         accumulator holds none afterwards, so they are added once."""
-        pending, self.pending = self.pending, None
+        self._drop_if_discarded()
+        pending, self.pending, self.grad_seen = self.pending, None, None
         return pending
+
+    def _before_keeping(self, grad: torch.Tensor) -> None:
+        """A backward with sync off is about to add `grad` to the kept gradients."""
+        self._drop_if_discarded()
+        if self.grad_seen is None and (param := self.param()) is not None:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            self.grad_seen = (weakref.ref(param.grad), write_count(param.grad))
+
+    def _drop_if_discarded(self) -> None:
+        """Drops the kept gradients if the parameter's .grad was cleared since they were kept."""
+        if self.grad_seen is None:
+            return
+        param = self.param()
+        grad, version = self.grad_seen
+        if param is None or param.grad is None or param.grad is not grad() or write_count(param.grad) != version:
+            self.sink.grad, self.pending, self.grad_seen = None, None, None
 
 
 def gathered_weight(module: nn.Module, name: str) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .config import Config, ConfigError
-from . import leaf_modules, padding
+from . import leaf_modules, padding, stale_optimizers
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .grad_sync import gathered_weight
 from .layer_graphs import compile_layers_once, tie_across_graphs
@@ -77,7 +77,7 @@ def shard(
     scope = ForwardScope()
     leaves = _leaf_modules(model, config)
     in_leaves = {id(member) for leaf in leaves for member in leaf.modules()}
-    for _, module in children_first(model):
+    for qualified, module in children_first(model):
         initialized = meta_init.materialize(module, topology.device)
         names = [name for name, p in module._parameters.items() if p is not None]
         if not names:
@@ -95,6 +95,7 @@ def shard(
             if id(param) not in sharded:
                 indices[id(param)] = len(sharded)
                 sharded[id(param)] = _shard_parameter(initialized.get(name, param), state)
+                stale_optimizers.note_replaced(param, f"{qualified}.{name}".lstrip("."))
             module._parameters[name] = sharded[id(param)]
             layouts[name] = _layout(param, state, sharding_id, indices[id(param)])
         module._zpp = HeldShards(sharding_id, scope, layouts, leaf_weights={} if id(module) in in_leaves else None)
@@ -126,7 +127,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                          f"such as a PEFT wrapper around it), got {type(model).__name__}")
     check_same_call(state.topology, "zpp.full_state_dict")
     # A sharded parameter is a DTensor of its original shape, also under the keys a module's
-    # state-dict hook gives it (torchtitan's fused QKV projection saves wq/wk/wv).
+    # state-dict hook gives it (torchtitan's fused QKV projection saves wq/wk/wv). Buffers are
+    # this rank's own ([Note: buffers in checkpoints]).
     return {key: value.full_tensor() if isinstance(value, DTensor) else value
             for key, value in model.state_dict().items()}
 

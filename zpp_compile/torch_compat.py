@@ -2,7 +2,7 @@
 
 zeropp is a torch.compile backend, and some of what it needs torch offers only privately: how
 Inductor is entered and configured, Dynamo's and AOTAutograd's bookkeeping, DTensor's internals,
-the fake process group of a dry run.
+the fake process group of a dry run, the default process group's store.
 All of it is reached through this module, each name with why, so that a torch upgrade that moves
 one breaks here, by name, and `tests/test_torch_compat.py` (seconds, no process group) says which.
 Where torch's behaviour differs between the versions zeropp runs on, a feature check below asks
@@ -185,7 +185,8 @@ def viewed_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def write_count(t: torch.Tensor) -> int:
     """How often `t` was written in place (autograd's version counter, which torch exposes only as
-    this attribute): what tells a parameter written since a moment from one that was not."""
+    this attribute): what tells a parameter written since a moment from one that was not, and a
+    gradient zeroed in place (`zero_grad(set_to_none=False)`) from one left alone."""
     return t._version
 
 
@@ -223,6 +224,14 @@ def node_module_stack(node: fx.Node) -> dict[str, Any] | None:
     """The module stack Dynamo recorded for a node (forward), or the one AOTAutograd copied to its
     backward counterpart."""
     return node.meta.get(NN_MODULE_STACK) or node.meta.get(FWD_NN_MODULE_STACK)
+
+
+def default_store() -> dist.Store:
+    """The key-value store every rank met at in `init_process_group` (the default group's). A rank
+    waiting in a collective cannot ask its process group which ranks have not arrived;
+    runtime.agreement has each rank record its arrival at a collective call in this store, so a
+    waiting rank can name the missing ones. torch hands the store out only privately."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
