@@ -32,7 +32,7 @@ def finish_reductions_later(graph: fx.Graph, ctx: PassContext) -> None:
     if (not ctx.config.compile_layers_once or ctx.kind != "backward" or ctx.topology.world.size == 1
             or ctx.shard_inputs is None):
         return
-    output = next(reversed(graph.nodes))
+    output = next(iter(reversed(graph.nodes)))  # torch 2.11-2.12: a node list is not an iterator
     inputs_count, shards = ctx.shard_inputs
     if len(output.args[0]) != inputs_count:
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -431,3 +432,15 @@ def test_private_torch_apis_are_reached_only_through_torch_compat():
     uses = [use for path in sources if path.name != "torch_compat.py" for use in private_torch_uses(path)]
     assert uses == [], "private torch APIs outside zpp_compile/torch_compat.py (move them there, with why)"
     assert private_torch_uses(root / "zpp_compile" / "torch_compat.py")  # the scan sees them where they are
+
+
+def test_a_torch_outside_the_supported_range_is_named_with_the_range():
+    for inside in ("2.13.0", "2.13.0+cpu", "2.14.1", "2.15.0+cu128"):
+        assert tc.unsupported_torch_warning(inside) is None, inside
+    for outside in ("2.11.0", "2.12.1+cu126", "2.16.0.dev20261201"):
+        message = tc.unsupported_torch_warning(outside)
+        assert message and f"this is torch {outside}" in message and "supports torch 2.13 to 2.15" in message
+        assert 'pip install "torch>=2.13,<2.16"' in message, message
+    # The range is pyproject.toml's requirement.
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '"torch>=2.13,<2.16",' in pyproject

@@ -4,6 +4,9 @@
     step_model = torch.compile(model, backend="zeropp")
 """
 
+import warnings
+
+import torch
 from torch import nn
 
 from .config import Config, ConfigError
@@ -16,6 +19,10 @@ from .grad_sync import no_sync, set_requires_gradient_sync
 from .initialization import load_full_state_dict
 from .layer_graphs import layer_runs
 from .sharding import full_state_dict, shard
+from .torch_compat import unsupported_torch_warning
+
+if (_warning := unsupported_torch_warning(torch.__version__)) is not None:
+    warnings.warn(_warning, stacklevel=2)  # once per process, at import: where the user chose the torch
 
 
 def step_comm_bytes() -> tuple[int, int]:
