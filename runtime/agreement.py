@@ -13,7 +13,9 @@ only make them time out, never pair with one of the model's collectives:
   compiled graph, never Dynamo's). A graph this rank has compared before for the same sharded model
   passes at once: a rank that recompiles on its own (for a new input shape, say) does not wait for
   ranks that are not compiling;
-- `full_state_dict`, a collective call, checks at every call that every rank is making it;
+- `full_state_dict`, `save_checkpoint` and `load_checkpoint`, collective calls, check at every call
+  that every rank is making it; a rank kept waiting there warns after a grace period which ranks
+  have not arrived (`_Arrivals`), then waits on until the timeout;
 - run eagerly, every parameter gather first compares which parameter each rank gathers (two
   integers per rank), so that a data-dependent branch raises on every rank instead of gloo
   aborting, NCCL hanging, or two parameters of one shape silently mixing. Compiled graphs do
@@ -23,18 +25,32 @@ only make them time out, never pair with one of the model's collectives:
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeoutError
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..torch_compat import EXAMPLE_VALUE
+from ..torch_compat import EXAMPLE_VALUE, default_store
 
 from .ops import gather_param_args
 from .registry import COMPILATION, ShardingState
 from .topology import Topology
+
+
+# How long a collective call (check_same_call) waits for the other ranks before it warns which have
+# not arrived: this, or a quarter of Config.collective_timeout_s if that is less. The usual cause,
+# `if rank == 0: zpp.full_state_dict(model)`, would otherwise be silent for the whole timeout (600 s
+# by default). A peer may be slow for good reasons (compiling a graph the others had cached, a
+# longer step), so the call only warns and raises at the timeout as before. 30 s is well past the
+# skew of ranks in step with each other, and early against the default timeout; the quarter keeps
+# the warning well ahead of the error under a timeout made short.
+_GRACE_S = 30.0
 
 
 class RankMismatchError(RuntimeError):
@@ -99,13 +115,89 @@ def check_same_eager_gather(topology: Topology, sharding_id: int, index: int, wh
 
 
 def check_same_call(topology: Topology, call: str) -> None:
-    """Raises RankMismatchError unless every rank is making the collective call `call` now."""
+    """Raises RankMismatchError unless every rank is making the collective call `call` now. A rank
+    left waiting warns, after a grace period (`_GRACE_S`), which ranks have not arrived."""
     if topology.world_size > 1:
-        _agree(topology, f"called {call}", hashlib.sha256(call.encode()).hexdigest(), (call,))
+        with _Arrivals.entering(topology, call) as arrivals:
+            _agree(topology, f"called {call}", hashlib.sha256(call.encode()).hexdigest(), (call,), arrivals=arrivals)
+
+
+@dataclass
+class _Arrivals:
+    """Which ranks are inside `check_same_call` now: one counter per rank in the default store
+    (`torch_compat.default_store`), to which a rank adds 1 on entering and -1 on leaving, so a
+    waiting rank reads every rank whose counter is 0 as missing. A rank's key serves each of its
+    calls (world-size keys however long the run), and its value says where the rank is, not how
+    many calls it made: a call that failed on some ranks leaves nothing to misalign the later ones.
+    No rank leaves a call before the last one enters it (the digests' all-gather), so a counter at
+    1 is a rank in this very call (or one that died in it). Two store round trips per call, only
+    for the explicit collective calls, never per gather or step."""
+
+    call: str
+    rank: int
+    keys: list[str]
+    store: dist.Store
+    grace_s: float
+    since: float
+
+    @classmethod
+    @contextmanager
+    def entering(cls, topology: Topology, call: str) -> Iterator[_Arrivals | None]:
+        """This rank counted in `call` for as long as the context lasts; None where no store records
+        it (a dry run over torch's fake group, whose collectives never wait, or a store gone)."""
+        if topology.agreement is None or dist.get_backend(topology.agreement) == "fake":
+            yield None
+            return
+        store = default_store()
+        keys = [f"zeropp/in_collective_call/{topology.agreement.group_name}/{r}" for r in range(topology.world_size)]
+        grace_s = min(_GRACE_S, topology.timeout_s / 4) if topology.timeout_s else _GRACE_S
+        arrivals = cls(call, topology.rank, keys, store, grace_s, time.monotonic())
+        if not arrivals._add(1):
+            yield None
+            return
+        try:
+            yield arrivals
+        finally:
+            arrivals._add(-1)
+
+    def _add(self, amount: int) -> bool:
+        try:
+            self.store.add(self.keys[self.rank], amount)
+        except RuntimeError:  # the store's server (rank 0's process) is gone; the exchange will say so
+            return False
+        return True
+
+    def missing(self) -> list[int] | None:
+        """The ranks not in the call now (None if the store cannot be asked). add(key, 0) reads a
+        counter without blocking, where get() would wait for the key of a rank that never came."""
+        try:
+            return [r for r, key in enumerate(self.keys) if self.store.add(key, 0) <= 0]
+        except RuntimeError:
+            return None
+
+    def warn_missing(self) -> None:
+        """Warns that this rank has waited, naming the ranks that have not arrived."""
+        missing = self.missing()
+        if missing == []:  # the last one arrived just now: the exchange is ending
+            return
+        who = f"{_ranks(missing)}, which {'has' if len(missing) == 1 else 'have'} not called it yet" \
+            if missing else "the other ranks"
+        warnings.warn(
+            f"zeropp: rank {self.rank} has waited {time.monotonic() - self.since:.0f} s in {self.call} for {who}. "
+            f"{self.call} is a collective: call it on every rank (not only under `if rank == 0:`). A rank that is "
+            "only slow (still compiling, finishing a step) ends this wait when it calls it; otherwise this rank "
+            "raises zpp.RankMismatchError when Config.collective_timeout_s has passed")
+
+    def never_arrived(self) -> str:
+        """For the error at the timeout: which ranks never made the call."""
+        missing = self.missing()
+        if not missing:
+            return ""
+        return f"{_ranks(missing).capitalize()} never called {self.call}, a collective: call it on every rank. "
 
 
 def _agree(topology: Topology, doing: str, digest: str, schedule: tuple[str, ...], *, in_thread: bool = True,
-           advice: str = "") -> None:
+           advice: str = "", arrivals: _Arrivals | None = None) -> None:
     """Compares `digest` (of `schedule`) across ranks; on a difference every rank raises, with
     what each rank is `doing`, where the schedules part, and `advice`, in the message.
 
@@ -119,7 +211,7 @@ def _agree(topology: Topology, doing: str, digest: str, schedule: tuple[str, ...
         dist.all_gather(digests, mine, group=topology.agreement)
 
     if in_thread:
-        _in_thread(exchange, topology, doing)
+        _in_thread(exchange, topology, doing, arrivals)
     else:
         _reraising_timeout(exchange, topology, doing)
     if any(not torch.equal(theirs, mine) for theirs in digests):
@@ -135,18 +227,30 @@ def _all_gather(topology: Topology, value: Any, doing: str) -> list[Any]:
     return gathered
 
 
-def _in_thread(exchange: Callable[[], None], topology: Topology, doing: str) -> None:
+def _in_thread(exchange: Callable[[], None], topology: Topology, doing: str, arrivals: _Arrivals | None = None) -> None:
     """Runs `exchange` in a thread of its own, outside the compiling thread's dispatch state: under a
     fake tensor mode or the Python dispatcher (which compilation may have on) a gloo collective waits
     for gloo's worker thread while holding the GIL, which the worker may need to free the previous
-    collective's tensors (a deadlock)."""
+    collective's tensors (a deadlock). With `arrivals`, a wait past their grace period warns."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-agreement") as pool:
-        _reraising_timeout(lambda: pool.submit(exchange).result(), topology, doing)
+        future = pool.submit(exchange)
+        _reraising_timeout(lambda: _result(future, arrivals), topology, doing, arrivals)
 
 
-def _reraising_timeout(exchange: Callable[[], None], topology: Topology, doing: str) -> None:
+def _result(future: Future, arrivals: _Arrivals | None) -> None:
+    """The exchange's end; with `arrivals`, one warning if it has not ended within their grace period."""
+    if arrivals is not None:
+        try:
+            return future.result(timeout=arrivals.grace_s)
+        except FutureTimeoutError:
+            arrivals.warn_missing()
+    return future.result()
+
+
+def _reraising_timeout(exchange: Callable[[], None], topology: Topology, doing: str,
+                       arrivals: _Arrivals | None = None) -> None:
     """Runs `exchange`; the group's timeout or a peer gone becomes a RankMismatchError saying what this
-    rank was `doing`."""
+    rank was `doing` (and, with `arrivals`, which ranks never made the call)."""
     try:
         exchange()
     except RuntimeError as error:  # the group's timeout (Config.collective_timeout_s), or a peer gone
@@ -154,7 +258,8 @@ def _reraising_timeout(exchange: Callable[[], None], topology: Topology, doing: 
             f"zeropp compares the collectives of what each rank does next across ranks, and rank "
             f"{topology.rank} ({doing}) waited in vain for the others: they are running other collectives "
             "(a graph compiled on some ranks only, or zpp.full_state_dict called on some ranks only), hung past "
-            f"Config.collective_timeout_s, or died. Backend error: {error}"
+            f"Config.collective_timeout_s, or died. {arrivals.never_arrived() if arrivals else ''}"
+            f"Backend error: {error}"
         ) from error
 
 

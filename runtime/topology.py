@@ -49,6 +49,9 @@ class Topology:
     # A gloo group of all ranks that carries only runtime.agreement's checks, never the model's
     # collectives (None in a Topology made by hand, for a graph that is never compiled).
     agreement: dist.ProcessGroup | None = field(default=None, compare=False)
+    # Config.collective_timeout_s, every group's timeout: how long runtime.agreement's checks wait
+    # before they warn that ranks are missing (None in a Topology made by hand).
+    timeout_s: float | None = field(default=None, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -172,4 +175,5 @@ def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: floa
 
     device = collective_device(dist.get_backend_config())
     mesh = DeviceMesh.from_group(world_pg, device.type)
-    return Topology(rank, world_size, ranks_per_node, device, world, intra, inter, secondary, mesh, agreement)
+    return Topology(rank, world_size, ranks_per_node, device, world, intra, inter, secondary, mesh, agreement,
+                    timeout_s)

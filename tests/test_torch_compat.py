@@ -349,6 +349,11 @@ def test_dtensor_parts_and_spec_constructor(mesh):
     assert isinstance(tc.dtensor_cache_keys_stable(), bool)
 
 
+def test_the_default_groups_store_is_reachable(mesh):
+    # runtime.agreement counts the ranks inside a collective call there (Store.add, public).
+    assert isinstance(tc.default_store(), dist.Store)
+
+
 def test_a_shards_views_lead_back_to_it_and_a_dtensor_write_counts_on_the_parameter(mesh):
     local = torch.randn(2, 3)
     assert tc.viewed_tensor(local.view_as(local)) is local and tc.viewed_tensor(local) is local

@@ -12,6 +12,7 @@ rewritten graphs execute without Inductor.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
+from .added_parameters import added_after_shard, names_in_sharded_models
 from .compile_cache import PassCache, to_local_as_method
 from .config import Config, ConfigError
 from .initialization import check_initialized
@@ -36,6 +38,8 @@ from .torch_compat import (
     CustomGraphPass, aot_autograd, compile_fx, compile_fx_inner, dynamo_frame_id, inductor_mode_options,
 )
 
+log = logging.getLogger(__name__)  # TORCH_LOGS="zpp_compile" shows it
+
 
 def zeropp_backend(
     gm: fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None, *,
@@ -46,13 +50,13 @@ def zeropp_backend(
     `options` overrides the model's Config for this compilation (same keys as Config); the fields
     that shard() acts on (`config.SHARD_FIELDS`) may only repeat the model's values. torch.compile's
     `mode` (which torch allows instead of `options`) sets Inductor's settings for that mode, its
-    CUDA graphs as `Config.cuda_graphs`. `passes` replaces zeropp's list of passes (to add one, or
-    to wrap one to inspect its graph):
+    CUDA graphs as `Config.cuda_graphs` (skipped off CUDA, as Inductor skips them). `passes`
+    replaces zeropp's list of passes (to add one, or to wrap one to inspect its graph):
     `torch.compile(model, backend=functools.partial(zeropp_backend, passes=[...]), options={...})`.
     """
     state = _sharding_state(gm, example_inputs)
     if mode is not None:
-        options = _mode_options(mode, state.config if state is not None else Config())
+        options = _mode_options(mode, state.config if state is not None else Config(), example_inputs)
     if state is None:  # a graph without parameters (e.g. the loss after a graph break)
         config = Config.load(dict(options or {}))
         return compile_fx(gm, example_inputs) if config.inductor else _aot_eager(gm, example_inputs, None)
@@ -141,10 +145,12 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Config, 
     return compiled
 
 
-def _mode_options(mode: str, config: Config) -> dict[str, Any]:
+def _mode_options(mode: str, config: Config, example_inputs: Sequence[Any]) -> dict[str, Any]:
     """torch.compile's `mode` as zeropp options: Inductor's settings for that mode on top of the
     model's `inductor_options`, and its CUDA graphs (reduce-overhead, max-autotune) as zeropp's
-    own, which watch their collectives (`Config.cuda_graphs`)."""
+    own, which watch their collectives (`Config.cuda_graphs`). For a graph off CUDA, the mode's
+    CUDA graphs are skipped and the rest of it applies, as Inductor does with such a graph; only
+    an explicit `Config.cuda_graphs=True` there is an error (`_check_on_cuda`)."""
     try:
         settings = inductor_mode_options(mode)
     except RuntimeError as error:
@@ -154,18 +160,26 @@ def _mode_options(mode: str, config: Config) -> dict[str, Any]:
                           "model's Config has inductor=False (debug mode); drop mode= or inductor=False")
     cuda_graphs = settings.pop("triton.cudagraphs", False)
     options: dict[str, Any] = {"inductor_options": {**dict(config.inductor_options), **settings}}
-    if cuda_graphs:
+    if cuda_graphs and _devices(example_inputs) != {"cuda"}:
+        log.info("mode=%r: no CUDA graphs for a graph reading tensors on %s (they need CUDA); the rest of the mode "
+                 "applies", mode, sorted(_devices(example_inputs) - {"cuda"}))
+    elif cuda_graphs:
         options["cuda_graphs"] = True
     return options
 
 
 def _check_on_cuda(example_inputs: Sequence[Any]) -> None:
-    devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    devices = _devices(example_inputs)
     if devices != {"cuda"}:
         raise RuntimeError(
             f"Config.cuda_graphs=True needs the model and its inputs on CUDA, but the compiled step reads tensors "
             f"on {sorted(devices - {'cuda'})}; move them to the GPU or set cuda_graphs=False"
         )
+
+
+def _devices(example_inputs: Sequence[Any]) -> set[str]:
+    """The device types of the graph's tensor inputs."""
+    return {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
 
 
 def _sharding_state(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> ShardingState | None:
@@ -174,16 +188,33 @@ def _sharding_state(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Shardi
     ids = {gather_param_args(n).sharding_id for n in gm.graph.nodes
            if n.op == "call_function" and n.target in (gather, gather.default)}
     states = {i: REGISTRY.states[i] for i in ids}
+    _refuse_unsharded(example_inputs, reads_shards=bool(states))
+    if len(states) > 1:
+        raise RuntimeError("one compiled graph reads parameters of two separately sharded models; shard them together")
+    return next(iter(states.values()), None)
+
+
+def _refuse_unsharded(example_inputs: Sequence[Any], reads_shards: bool) -> None:
+    """Raises on the parameters the graph reads that shard() never saw. Where the graph also reads a
+    sharded model's shards, or a sharded model holds them, they were added after shard: trainable
+    ones are refused as an eager forward refuses them (`added_parameters`), frozen ones run as plain
+    inputs, as they do eagerly. Anywhere else the model was never sharded."""
     unsharded = [t for t in example_inputs if isinstance(t, nn.Parameter) and t not in REGISTRY.params]
-    if unsharded:
+    if not unsharded:
+        return
+    names = names_in_sharded_models(unsharded)
+    if not reads_shards and not names:
         shapes = ", ".join(str(tuple(t.shape)) for t in unsharded[:4])
         raise RuntimeError(
             f"the zeropp backend got {len(unsharded)} parameter(s) that are not sharded (shapes {shapes}); "
             "call zpp_compile.shard(model, config) before torch.compile(model, backend='zeropp')"
         )
-    if len(states) > 1:
-        raise RuntimeError("one compiled graph reads parameters of two separately sharded models; shard them together")
-    return next(iter(states.values()), None)
+    # Under no_grad (evaluation) nothing would need averaging; the eager check also lets it run.
+    trainable = [t for t in unsharded if t.requires_grad] if torch.is_grad_enabled() else []
+    if trainable:
+        # One that no sharded model holds (a module of its own beside the model) goes by its shape.
+        raise added_after_shard([names.get(id(t), f"a parameter of shape {tuple(t.shape)} held by no sharded model")
+                                 for t in trainable], "read by this compiled step")
 
 
 class _StageHook(CustomGraphPass):
