@@ -225,3 +225,26 @@ def another_models_checkpoint(rank: int, world_size: int, path: str) -> None:
 def test_another_models_checkpoint_is_refused_for_what_it_is(tmp_path):
     run_ranks(another_models_checkpoint, 2, str(tmp_path / "checkpoint"))
 
+
+def peer_hangs_before(rank: int, world_size: int, call: str, path: str) -> tuple[float, str]:
+    """Rank 1 hangs before `call`; rank 0 makes it and reports how long it took to fail, and how."""
+    model = zpp.shard(nn.Linear(8, 8).to(device()), zpp.Config(collective_timeout_s=TIMEOUT_S))
+    if call == "load_checkpoint":
+        zpp.save_checkpoint(model, None, path)
+    if rank == 1:
+        time.sleep(600)
+    start = time.monotonic()
+    with pytest.raises(zpp.CheckpointError) as error:
+        getattr(zpp, call)(model, None, path)
+    return time.monotonic() - start, str(error.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(BACKEND == "nccl", reason="NCCL's watchdog aborts a rank whose collective times out")
+@pytest.mark.parametrize("call", ["save_checkpoint", "load_checkpoint"])
+def test_a_peer_hung_before_a_save_or_a_load_is_named_within_the_timeout(tmp_path, call):
+    path = str(tmp_path / "checkpoint")
+    elapsed, message = run_ranks(peer_hangs_before, 2, call, path, timeout_s=120, reporting=[0])[0]
+    assert elapsed < TIMEOUT_S + 10, elapsed
+    assert f"zpp.{call}({path!r}) did not start" in message, message
+    assert f"Rank 1 never called zpp.{call}" in message, message

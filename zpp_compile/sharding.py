@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from .added_parameters import added_after_shard
 from .config import Config, ConfigError
 from . import leaf_modules, padding, stale_optimizers
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
@@ -156,19 +157,12 @@ def _check_initialized_before_forward(model: nn.Module, _args: Any) -> None:
 
 def _refuse_unsharded_trainable(model: nn.Module, _args: Any) -> None:
     """Raises before an eager forward of a sharded model that holds trainable parameters added after
-    `shard` (PEFT's adapters from `get_peft_model`, a new head): their gradients would never be
-    averaged across ranks, and each rank would train its own. Compiled, the backend refuses them."""
+    `shard` (`added_parameters`). Compiled, the backend refuses them."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return
     unsharded = [name for name, p in model.named_parameters() if p.requires_grad and p not in REGISTRY.params]
     if unsharded:
-        raise RuntimeError(
-            f"zeropp: {len(unsharded)} trainable parameter(s) of this sharded model are not sharded: "
-            f"{listing(unsharded)}. They were added after zpp_compile.shard, so their gradients would not be "
-            "averaged across ranks and every rank would train its own values. Shard after adding them (e.g. "
-            "model = peft.get_peft_model(model, lora_config), then zpp_compile.shard(model, config)), or freeze "
-            "them with requires_grad_(False)"
-        )
+        raise added_after_shard(unsharded, "of this sharded model")
 
 
 def _layers(model: nn.Module) -> dict[str, nn.Module]:
