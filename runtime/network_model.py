@@ -18,8 +18,7 @@ Conventions (NCCL's and nccl-tests'):
   all-reduce) takes n-1 steps, twice that for an all-reduce; a broadcast is a pipelined ring of
   n-1 steps (NCCL runs broadcasts on rings only); an all-to-all n-1 steps, one per peer. A step
   crossing nodes costs the inter-node latency, one inside a node the intra-node one, as NCCL's
-  tuning model counts them (src/graph/tuning.cc: (nsteps - nInterSteps) x intraLat + nInterSteps
-  x interLat).
+  tuning model counts them.
 - Ranks are numbered node by node (node = rank // ranks_per_node). A group inside one node uses the
   intra-node link. A group spanning nodes runs one ring per member of a node (NCCL's channels, one
   per NIC on rail-optimized nodes): each GPU sends 1/m of the bus bytes through its own NIC and the
@@ -28,7 +27,7 @@ Conventions (NCCL's and nccl-tests'):
   per-GPU inter-node bandwidth. An all-to-all is no ring: each GPU sends its off-node peers' share
   through its own NIC, which m does not multiply.
 - An all-reduce across nodes also has NCCL's tree: 2 x ((m-1) intra + ceil(log2 nodes) inter)
-  steps, moving 2 x S at 0.92 of the bus bandwidth (tuning.cc: `ratio *= .5`, `busBw*.92`); the
+  steps, moving 2 x S at 0.92 of the bus bandwidth (NCCL's tuning model); the
   faster of ring and tree is taken, as NCCL's tuner picks. Inside one node NCCL's tree is a chain
   of as many steps as the ring at less bandwidth, so the ring is always taken there.
 - A network without an inter-node link (`inter_node=None`) times every group on the intra-node
@@ -177,7 +176,7 @@ def nvlink_link() -> Link:
     datasheets), so the figures measured on either stand for both until each is measured."""
     all_gather = 245 * GB  # DESIGN.md section 6: all-gather at 256 MB, 2 H200, NCCL 2.28.9
     return Link(
-        latency_s=1.9e-6,  # NCCL's tuning model (tuning.cc hwLat): an NVLink ring step, LL128; assumption
+        latency_s=1.9e-6,  # NCCL's tuning model: an NVLink ring step, LL128; assumption
         busbw_bytes_per_s=all_gather,
         op_factors={
             "reduce_scatter": 229 * GB / all_gather,  # DESIGN.md section 6: 229 GB/s at 256 MB
@@ -191,8 +190,8 @@ def nvlink_link() -> Link:
 def infiniband_link(gbit_per_s: float) -> Link:
     """A NIC of `gbit_per_s` line rate per GPU: NETWORK_EFFICIENCY of it as bus bandwidth for every
     op (assumption)."""
-    # NCCL's tuning model puts a network ring step at 4.0 us with LL128 (tuning.cc hwLat), before
-    # the NIC's own latency: 5 us, an assumption.
+    # NCCL's tuning model puts a network ring step at 4.0 us with LL128, before the NIC's own
+    # latency: 5 us, an assumption.
     return Link(latency_s=5e-6, busbw_bytes_per_s=gbit_per_s * 1e9 / 8 * NETWORK_EFFICIENCY)
 
 
