@@ -174,14 +174,14 @@ NETWORK_EFFICIENCY = 0.9  # bus bandwidth over a NIC's line rate: an assumption,
 def nvlink_link() -> Link:
     """NVLink 4 inside an H100 or H200 node: both carry 18 links, 900 GB/s per GPU (NVIDIA's
     datasheets), so the figures measured on either stand for both until each is measured."""
-    all_gather = 245 * GB  # DESIGN.md section 6: all-gather at 256 MB, 2 H200, NCCL 2.28.9
+    all_gather = 245 * GB  # docs/performance.md, "Collectives alone": 256 MB, 2 H200
     return Link(
         latency_s=1.9e-6,  # NCCL's tuning model: an NVLink ring step, LL128; assumption
         busbw_bytes_per_s=all_gather,
         op_factors={
-            "reduce_scatter": 229 * GB / all_gather,  # DESIGN.md section 6: 229 GB/s at 256 MB
-            "all_to_all": 283 * GB / all_gather,  # DESIGN.md section 6: 283 GB/s at 256 MB
-            # Issue 81: 1 GiB on 2 H100s, 329 GB/s (355 on 4, 361 on 8: the model keeps no count).
+            "reduce_scatter": 229 * GB / all_gather,  # the same table: 229 GB/s
+            "all_to_all": 283 * GB / all_gather,  # the same table: 283 GB/s
+            # the same table: 1 GiB on 2 H100s, 329 GB/s (355 on 4, 361 on 8: the model keeps no count).
             "all_reduce": 329 * GB / all_gather,
             # broadcast: not measured; a pipelined ring like the all-gather's (factor 1, assumption).
         })
@@ -200,16 +200,16 @@ def socket_link() -> Link:
     slow inter-node link. The benchmark's --slow-link launches sent every pair over it, same-node
     pairs too; the preset keeps NVLink inside nodes, as a slow network would. Launches of one GPU
     per node, the only ones recorded over it, see its inter-node link alone either way."""
-    # DESIGN.md section 6: 4.2 GB/s all-gather at 256 MB, 2 H200, NCCL 2.28.9. docs/performance.md
-    # ("Between two nodes") records 2.3-2.7 GB/s at 8-128 MB: this transport is slower on smaller
-    # messages, a dependence on size the model does not keep.
+    # docs/performance.md, "Collectives alone": 4.2 GB/s all-gather at 256 MB, 2 H200; 2.3-2.7 GB/s
+    # at 8-128 MB: this transport is slower on smaller messages, a dependence on size the model does
+    # not keep.
     all_gather = 4.2 * GB
     return Link(
         latency_s=14e-6,  # NCCL's tuning model: a network ring step with its Simple protocol; assumption
         busbw_bytes_per_s=all_gather,
         op_factors={
-            "reduce_scatter": 4.3 * GB / all_gather,  # DESIGN.md section 6: 4.3 GB/s
-            "all_to_all": 2.7 * GB / all_gather,  # DESIGN.md section 6: 2.7 GB/s
+            "reduce_scatter": 4.3 * GB / all_gather,  # the same table: 4.3 GB/s
+            "all_to_all": 2.7 * GB / all_gather,  # the same table: 2.7 GB/s
             # all-reduce (a reduce-scatter then an all-gather) and broadcast: not measured, factor 1.
         })
 
