@@ -158,3 +158,17 @@ def compile_options(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_compile_options_override_compile_fields_and_reject_shard_fields():
     run_ranks(compile_options, 2)
+
+
+def test_a_misspelled_deepspeed_switch_says_which_was_meant():
+    for typo, meant in [("zero_quantized_weight", "zero_quantized_weights"),
+                        ("zero_hpz_partition_sise", "zero_hpz_partition_size"),
+                        ("zero_quantize_gradients", "zero_quantized_gradients")]:
+        with pytest.raises(ConfigError, match=rf"zero_optimization\.{typo} is no DeepSpeed setting; did you mean "
+                                              rf"'{meant}'\? As written it would be ignored"):
+            Config.from_dict({"zero_optimization": {"stage": 3, typo: True}})
+    # DeepSpeed's own keys near them are no typos: named among the ignored ones, as before.
+    with pytest.warns(UserWarning, match=r"no use for zero_optimization\.zero_quantized_nontrainable_weights"):
+        config = Config.from_dict({"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                                         "zero_quantized_nontrainable_weights": True}})
+    assert config.quantized_weights
