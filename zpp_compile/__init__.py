@@ -5,6 +5,7 @@
 """
 
 import warnings
+from importlib import metadata
 
 import torch
 from torch import nn
@@ -20,6 +21,11 @@ from .initialization import load_full_state_dict
 from .layer_graphs import layer_runs
 from .sharding import full_state_dict, shard
 from .torch_compat import unsupported_torch_warning
+
+try:
+    __version__ = metadata.version("zeropp")
+except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 if (_warning := unsupported_torch_warning(torch.__version__)) is not None:
     warnings.warn(_warning, stacklevel=2)  # once per process, at import: where the user chose the torch
@@ -59,7 +65,7 @@ def reset_comm_report() -> None:
 
 
 __all__ = [
-    "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
+    "__version__", "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
     "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
     "release_cuda_graphs", "save_checkpoint", "load_checkpoint", "CheckpointError", "load_full_state_dict",
     "RankMismatchError", "reset_comm_report",
