@@ -10,6 +10,7 @@ they are plain ZeRO-3, the numerical reference.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -196,6 +197,44 @@ def _(weight, copy):
     return torch.empty_like(weight)
 
 
+class _RunTimeGathers:
+    """Who runs `zpp::all_gather_param` itself, rather than the collectives the backend lowers it to.
+
+    An eager read of a parameter does (`grad_sync.gather_shard`, inside `eager_read()`), and so does
+    a graph zeropp compiled with the `lower_collectives` pass switched off (debug). Any other run
+    is a graph compiled by another backend (`torch.compile(model)` with the backend forgotten):
+    plain ZeRO-3, with qwZ, hpZ and qgZ silently off and nothing in the communication report. That
+    gets one warning naming the fix."""
+
+    def __init__(self) -> None:
+        self.eager_reads = 0
+        self.unlowered_graphs = False  # set by the backend, for good, once one is compiled
+        self.warned = False
+
+    def check(self) -> None:
+        if self.eager_reads or self.unlowered_graphs or self.warned:
+            return
+        self.warned = True
+        warnings.warn(
+            "zeropp: a sharded model's parameter gather runs inside a graph compiled by another backend than "
+            "zeropp's (torch.compile(model) without backend=\"zeropp\"?): it trains as plain ZeRO-3, with qwZ, hpZ "
+            "and qgZ off and nothing in zpp.comm_report(). Compile with torch.compile(model, backend=\"zeropp\")",
+            stacklevel=2)
+
+
+RUN_TIME_GATHERS = _RunTimeGathers()
+
+
+@contextlib.contextmanager
+def eager_read() -> Iterator[None]:
+    """A parameter read eagerly gathers inside (`_RunTimeGathers`)."""
+    RUN_TIME_GATHERS.eager_reads += 1
+    try:
+        yield
+    finally:
+        RUN_TIME_GATHERS.eager_reads -= 1
+
+
 @torch.library.custom_op("zpp::all_gather_param", mutates_args=())
 def all_gather_param(
     shard: torch.Tensor,
@@ -211,6 +250,7 @@ def all_gather_param(
     `sharding_id` names the `shard` call the parameter belongs to, so the backend finds its
     settings, and Dynamo, which guards on it, recompiles for a model sharded differently.
     """
+    RUN_TIME_GATHERS.check()
     with naming_collective("zpp::all_gather_param (parameter all-gather)", group_size, group_name):
         return gather_param(shard, shard_size, group_size, group_name, dtype)
 

@@ -124,3 +124,31 @@ def test_a_collective_call_on_one_rank_warns_naming_the_missing_rank_before_the_
     assert "call it on every rank" in warning, warning
     assert failed_after >= TIMEOUT_S - 0.5, failed_after
     assert "Rank 1 never called zpp.full_state_dict, a collective: call it on every rank" in message, message
+
+
+def forgotten_backend(rank: int, world_size: int) -> list[str]:
+    """torch.compile without backend="zeropp" (here torch's aot_eager, quick to compile, which keeps
+    zeropp's gather as it is, as Inductor does): one warning, at the first step, naming the fix;
+    none for an eager step or one compiled by zeropp."""
+    from zpp_compile.runtime.ops import RUN_TIME_GATHERS
+
+    RUN_TIME_GATHERS.warned = False  # a kept rank may have warned in an earlier test
+    x = torch.randn(4, 8, device=device())
+    messages = []
+    for backend in (None, "zeropp", "aot_eager", "aot_eager"):
+        model = zpp.shard(nn.Linear(8, 8).to(device()))
+        step = model if backend is None else torch.compile(
+            model, backend=backend, **({"options": {"inductor": False}} if backend == "zeropp" else {}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(x).sum().backward()
+        messages.append(" | ".join(str(w.message) for w in caught if "another backend" in str(w.message)))
+    return messages
+
+
+@pytest.mark.distributed
+def test_a_forgotten_backend_warns_once_with_the_fix():
+    eager, zeropp, first, second = run_ranks(forgotten_backend, 1)[0]
+    assert eager == zeropp == second == "", (eager, zeropp, second)
+    assert "trains as plain ZeRO-3, with qwZ, hpZ and qgZ off" in first, first
+    assert 'torch.compile(model, backend="zeropp")' in first, first

@@ -32,7 +32,7 @@ from .passes import PASSES, GraphPass
 from .runtime.agreement import check_same_gathers
 from .runtime.collectives import gathers_into_given_output
 from .runtime.cuda_graphs import graphed_inner_compile
-from .runtime.ops import gather_param_args
+from .runtime.ops import RUN_TIME_GATHERS, gather_param_args
 from .runtime.registry import COMPILATION, REGISTRY, ShardingState
 from .torch_compat import (
     CustomGraphPass, aot_autograd, compile_fx, compile_fx_inner, dynamo_frame_id, inductor_mode_options,
@@ -67,6 +67,8 @@ def zeropp_backend(
     one_layer = COMPILATION.running_layer is not None
     manager = PassManager(config, state.topology, f"g{next(COMPILATION.graph_ids)}", state.layers,
                           _frame(example_inputs), passes, buckets_within_layers, one_layer)
+    if not any(p.name == "lower_collectives" for p in manager.passes):  # zeropp's IR ops run as they are
+        RUN_TIME_GATHERS.unlowered_graphs = True
     check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
     to_local_as_method(gm)
     example_inputs, shard_positions = local_shard_inputs(gm, example_inputs)

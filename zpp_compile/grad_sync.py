@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from .module_state import held_shards
 from .runtime.agreement import check_same_eager_gather
-from .runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal
+from .runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal, eager_read
 from .runtime.registry import REGISTRY
 from .torch_compat import write_count
 
@@ -119,9 +119,13 @@ def gather_shard(module: nn.Module, name: str) -> torch.Tensor:
     tied_weights = held.scope.tied_weights if tie is not None and held.scope.depth else None
     gathered = tied_weights.get(tie) if tied_weights is not None else None
     if gathered is None:
-        if not compiling:
+        flat = shard.to_local().reshape(-1)
+        if compiling:
+            gathered = torch.ops.zpp.all_gather_param(flat, shard_size, group_size, *op_args)
+        else:
             _check_same_gather(module, name)
-        gathered = torch.ops.zpp.all_gather_param(shard.to_local().reshape(-1), shard_size, group_size, *op_args)
+            with eager_read():
+                gathered = torch.ops.zpp.all_gather_param(flat, shard_size, group_size, *op_args)
         if tied_weights is not None:
             tied_weights[tie] = gathered
     if not shape:
