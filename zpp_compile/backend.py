@@ -27,6 +27,7 @@ from .config import Config, ConfigError
 from .initialization import check_initialized
 from .layer_graphs import record_layer_run
 from .local_shards import local_shard_inputs, reading_local_shards
+from .notices import timed_compile
 from .pass_manager import PassManager
 from .passes import PASSES, GraphPass
 from .runtime.agreement import check_same_gathers
@@ -141,10 +142,22 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Config, 
         _check_on_cuda(example_inputs)
         patches["triton.cudagraphs"] = True
         inner_compile = functools.partial(graphed_inner_compile, timeout_s=config.collective_timeout_s)
-    compiled = compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner_compile)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches,
+                          inner_compile=_announced(inner_compile, manager.graph_id))
     if cache is not None:
         cache.restore(manager)  # the graphs Inductor served from its caches, without running the passes
     return compiled
+
+
+def _announced(inner_compile: Callable[..., Any], graph_id: str) -> Callable[..., Any]:
+    """Inductor's compilation of each graph AOTAutograd hands it (forward, then backward at the first
+    backward), said on rank 0 with its time (`notices`): a cold first step compiles for minutes."""
+
+    def compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        return timed_compile(inner_compile, f"graph {graph_id}'s {kind}")(gm, example_inputs, *args, **kwargs)
+
+    return compile_one
 
 
 def _mode_options(mode: str, config: Config, example_inputs: Sequence[Any]) -> dict[str, Any]:
