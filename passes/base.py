@@ -9,6 +9,7 @@ Stages, in order:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -112,5 +113,6 @@ class GraphPass:
 
     @property
     def summary(self) -> str:
-        """The first line of the pass function's docstring."""
-        return (self.run.__doc__ or "").strip().splitlines()[0]
+        """The first sentence of the pass function's docstring, on one line."""
+        paragraph = " ".join((self.run.__doc__ or "").strip().split("\n\n")[0].split())
+        return re.split(r"(?<=[.;:])\s", paragraph, maxsplit=1)[0]

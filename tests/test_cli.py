@@ -147,7 +147,28 @@ def test_explain_computes_the_papers_table(tmp_path, capsys):
 def test_passes_lists_every_pass_in_order(capsys):
     assert main(["passes"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == [p.name for p in PASSES]
+    assert [line.split()[0] for line in lines if not line.startswith(" ")] == [p.name for p in PASSES]
+    assert max(map(len, lines)) <= 100, lines  # wrapped, continued under the summary
+    assert main(["--wide", "passes"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in wide] == [p.name for p in PASSES]
+    for line, graph_pass in zip(wide, PASSES):  # a whole sentence each, never cut at a docstring's line end
+        assert line.endswith(graph_pass.summary) and graph_pass.summary.endswith("."), line
+
+
+def test_explain_keeps_within_100_columns_unless_wide(tmp_path, capsys):
+    config = tmp_path / "zeropp.json"
+    config.write_text(json.dumps({"quantized_weights": True, "hpz_partition_size": 8, "quantized_gradients": True}))
+    command = ["explain", str(config), "--params", "3B", "--world", "16", "--ranks-per-node", "8"]
+    assert main(command) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 100, lines
+    assert next(line for line in lines if line.startswith("total ")).split()[3:] == ["7.875", "9.000", "6.665",
+                                                                                   "1.620"]
+    assert any("in GB: what each rank receives" in line for line in lines), lines
+    assert main(["--wide", *command]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert "7,875,000,000" in next(line for line in wide if line.startswith("total ")), wide
 
 
 EXPLAIN = ["explain", "--params", "1B", "--world"]

@@ -60,6 +60,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="zeropp", description="Inspect what the zeropp compiler does.")
+    parser.add_argument("--wide", action="store_true",
+                        help=f"lines as long as they come, exact byte counts (default: within {text_table.WIDTH} "
+                             "columns)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     commands.add_parser("passes", help="list the passes in the order they run").set_defaults(handler=_passes)
@@ -96,8 +99,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _passes(args: argparse.Namespace) -> int:
-    print(text_table.render(None, [(p.name, f"[{p.stage}]", p.summary) for p in PASSES]))
+    print(text_table.render(None, [(p.name, f"[{p.stage}]", p.summary) for p in PASSES], width=_width(args)))
     return 0
+
+
+def _width(args: argparse.Namespace) -> int | None:
+    return None if args.wide else text_table.WIDTH
 
 
 # -------------------------------------------------------------------------------------- dump
@@ -148,9 +155,9 @@ def _report(args: argparse.Namespace) -> int:
                           "passes": summaries}, indent=1))
         return 0
     if not args.brief:
-        print(_pass_table(summaries))
+        print(_pass_table(summaries, _width(args)))
         print()
-    print(report.table(collectives=not args.brief))
+    print(report.table(collectives=not args.brief, width=_width(args)))
     return 0
 
 
@@ -187,7 +194,7 @@ def _compile_order(path: Path) -> tuple[int, int, str]:
     return (int(match.group(1)), kinds.get(match.group(2), 3), path.name)
 
 
-def _pass_table(summaries: list[dict[str, Any]]) -> str:
+def _pass_table(summaries: list[dict[str, Any]], width: int | None) -> str:
     def count(rows: list[dict[str, Any]]) -> str:
         return ", ".join(f"{r['count']} {r['op']} {r['dtype']} ({r['intra_bytes'] + r['inter_bytes']:,} B)"
                          for r in rows) or "none"
@@ -201,7 +208,7 @@ def _pass_table(summaries: list[dict[str, Any]]) -> str:
                      + (f"; {added}" if added else "")))
     headers = ("graph", "pass", "nodes", "collectives before -> after (count, op, dtype, bytes received), "
                "non-aten ops added")
-    return text_table.render(headers, rows, align="<<>")
+    return text_table.render(headers, rows, align="<<><", width=width)
 
 
 # ----------------------------------------------------------------------------------- explain
@@ -235,9 +242,9 @@ def _explain(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(prediction.to_dict(), indent=1))
         return 0
-    print(f"{args.params:,} parameters (M = {2 * args.params:,} bytes), {args.world} ranks = "
-          f"{args.world // local} node(s) x {local}; {_describe(config, stored)}")
-    print(prediction.table())
+    print(text_table.prose(f"{args.params:,} parameters (M = {2 * args.params:,} bytes), {args.world} ranks = "
+                           f"{args.world // local} node(s) x {local}; {_describe(config, stored)}", _width(args)))
+    print(prediction.table(_width(args)))
     return 0
 
 

@@ -61,27 +61,37 @@ class Prediction:
                 "baseline": [asdict(v) for v in self.baseline],
                 "total": total(self.phases), "baseline_total": total(self.baseline)}
 
-    def table(self) -> str:
+    def table(self, width: int | None = None) -> str:
         """The prediction as text: per phase, the paper's cross-node volumes (in M), then the bytes
-        each rank receives as the ledger counts them, for plain ZeRO-3 and for this config."""
+        each rank receives as the ledger counts them, for plain ZeRO-3 and for this config. With
+        `width`, the ledger's bytes in one decimal unit and the notes wrapped, to keep within it;
+        without, exact byte counts."""
         m = self.m_bytes
-        rows = []
-        for base, mine in zip(self.baseline, self.phases):
-            label = f"{mine.paper_m:.2f}M" + (f" ({mine.technique})" if mine.technique != "-" else "")
-            rows.append((base.phase, f"{base.paper_m:.2f}M", label, f"{base.intra_bytes:,}", f"{base.inter_bytes:,}",
-                         f"{mine.intra_bytes:,}", f"{mine.inter_bytes:,}"))
         base, mine = self.to_dict()["baseline_total"], self.to_dict()["total"]
         ledger_totals = (base["intra_bytes"], base["inter_bytes"], mine["intra_bytes"], mine["inter_bytes"])
-        rows.append(("total", f"{base['paper_m']:.2f}M", f"{mine['paper_m']:.2f}M", *(f"{b:,}" for b in ledger_totals)))
+        unit, scale = _unit(max(ledger_totals)) if width else ("B", 1)
+        count = (lambda b: f"{b:,}") if scale == 1 else (lambda b: f"{b / scale:,.3f}")  # noqa: E731
+        rows = []
+        for base_phase, phase in zip(self.baseline, self.phases):
+            label = f"{phase.paper_m:.2f}M" + (f" ({phase.technique})" if phase.technique != "-" else "")
+            rows.append((base_phase.phase, f"{base_phase.paper_m:.2f}M", label, count(base_phase.intra_bytes),
+                         count(base_phase.inter_bytes), count(phase.intra_bytes), count(phase.inter_bytes)))
+        rows.append(("total", f"{base['paper_m']:.2f}M", f"{mine['paper_m']:.2f}M", *map(count, ledger_totals)))
         rows.append(("total in M", "", "", *(f"{b / m:.3f}M" for b in ledger_totals)))
-        headers = ("phase", "paper: ZeRO-3", "this config", "ledger: ZeRO-3 intra B", "ZeRO-3 inter B", "intra B",
-                   "inter B")
+        headers = ("phase", "paper: ZeRO-3", "this config", "ZeRO-3 intra", "ZeRO-3 inter", "intra", "inter")
         lines = [text_table.render(headers, rows, align="<>>>>>>")]
         if self.world_size == self.ranks_per_node:
             lines.append("one node: nothing crosses nodes, so the paper's cross-node volumes are all 0")
-        lines.append("paper: each collective's full volume (M = 2 bytes x parameters), cross-node only; "
-                     "ledger: what each rank receives, (n-1)/n of each volume, with scales and padding")
+        lines.append(text_table.prose("paper: each collective's full volume (M = 2 bytes x parameters), cross-node "
+                                      f"only; the last four columns, in {unit}: what each rank receives as the "
+                                      "ledger counts it, (n-1)/n of each volume, with scales and padding", width))
         return "\n".join(lines)
+
+
+def _unit(largest: int) -> tuple[str, int]:
+    """The decimal unit that shows `largest` bytes in a few digits."""
+    return next(((unit, scale) for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)) if largest >= scale),
+                ("B", 1))
 
 
 def predict(config: Config, n_params: int, world_size: int, ranks_per_node: int,

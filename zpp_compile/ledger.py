@@ -301,8 +301,9 @@ class CommReport:
             "collectives": [{**vars(r), "ranks": list(r.ranks), "link": r.link} for r in self.rows],
         }
 
-    def table(self, collectives: bool = True) -> str:
-        """The report as text: one line per collective (optional), then totals per phase."""
+    def table(self, collectives: bool = True, width: int | None = None) -> str:
+        """The report as text: one line per collective (optional), then totals per phase; with
+        `width`, its notes wrapped to keep within it."""
         lines = []
         if collectives:
             lines.append(text_table.render(
@@ -319,9 +320,10 @@ class CommReport:
             [(name, f"{intra:,}", f"{inter:,}", f"{base_intra:,}", f"{base_inter:,}",
               f"{_ratio(inter, base_inter):.3f}", f"{_ratio(intra + inter, base_intra + base_inter):.3f}")
              for name, intra, inter, base_intra, base_inter in totals], align="<>>>>>>"))
-        lines.append(f"hpZ secondary copies held: {self.secondary_bytes:,} B; "
-                     f"M = 2 B x {self.sharded_numel:,} sharded parameter elements = {2 * self.sharded_numel:,} B; "
-                     "ZeRO-3 = plain ZeRO-3 in bf16 (3M x (world-1)/world per rank)")
+        lines.append(text_table.prose(
+            f"hpZ secondary copies held: {self.secondary_bytes:,} B; M = 2 B x {self.sharded_numel:,} sharded "
+            f"parameter elements = {2 * self.sharded_numel:,} B; ZeRO-3 = plain ZeRO-3 in bf16 (3M x (world-1)/world "
+            "per rank)", width))
         return "\n".join(lines)
 
 
