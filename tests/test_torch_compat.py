@@ -449,3 +449,85 @@ def test_a_torch_outside_the_supported_range_is_named_with_the_range():
     # The range is pyproject.toml's requirement.
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert '"torch>=2.13,<2.16",' in pyproject
+
+
+class RecordingGroup(tc.NamedProcessGroup):
+    """A Python process group whose collectives do nothing but say they were called."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.calls: list[str] = []
+
+    def allreduce(self, tensors, opts=None):
+        self.calls.append("allreduce")
+        return DoneWork()
+
+    def all_gather_single(self, output, input, opts=None):
+        self.calls.append("all_gather_single")
+        output.view(self.size(), -1).copy_(input.reshape(1, -1))
+        return DoneWork()
+
+
+class DoneWork(dist.Work):
+    def wait(self, timeout=None):
+        return True
+
+
+def test_a_python_group_keeps_its_name_and_functional_collectives_reach_it(mesh):
+    groups = []
+
+    def creator(options, backend_options):
+        groups.append(RecordingGroup(options.group_rank, options.group_size))
+        return groups[-1]
+
+    dist.Backend.register_backend("zeropp_contract_python_group", creator, extended_api=True, devices=["cpu"])
+    group = dist.new_group([0, 1], backend="zeropp_contract_python_group")
+    assert group is groups[0] and isinstance(group.group_name, str) and group.group_name
+    x = torch.arange(3.0)
+    C10D = tc.C10D_FUNCTIONAL
+    C10D.wait_tensor(C10D.all_reduce(x, "sum", group.group_name))  # resolved by the name it keeps
+    # The gather into a given output reaches a Python group only through the routed kernel; every
+    # other group (the fake world's own) is served as torch's kernel serves it.
+    tc.route_all_gather_out_to_python_groups()
+    tc.route_all_gather_out_to_python_groups()  # once per process
+    out = C10D.wait_tensor(C10D.all_gather_into_tensor_out(x, 2, group.group_name, out=torch.empty(6)))
+    assert torch.equal(out, x.repeat(2)) and group.calls == ["allreduce", "all_gather_single"]
+    world = dist.group.WORLD.group_name
+    out = C10D.wait_tensor(C10D.all_gather_into_tensor_out(x, 2, world, out=torch.empty(6)))
+    assert out.shape == (6,)
+    dist.destroy_process_group(group)
+
+
+def test_torchs_fake_backend_can_be_served_by_another_creator(mesh):
+    from torch.testing._internal.distributed import fake_pg
+
+    asked = []
+
+    def creator(options, backend_options):
+        asked.append(list(options.global_ranks_in_group))
+        return RecordingGroup(options.group_rank, options.group_size) if backend_options == "mine" else None
+
+    capability = list(dist.Backend.backend_capability["fake"])
+    tc.serve_fake_backend(creator)
+    try:
+        theirs = dist.new_group([0, 1])  # the fake world's default backend
+        mine = dist.new_group([0, 1], pg_options="mine")
+        assert asked == [[0, 1], [0, 1]]
+        assert isinstance(mine, RecordingGroup) and not isinstance(theirs, RecordingGroup)
+        assert dist.get_backend(theirs) == "fake" and dist.get_backend(mine) == "fake"
+        dist.destroy_process_group(mine)
+        dist.destroy_process_group(theirs)
+    finally:  # torch's own creator again
+        dist.Backend.register_backend("fake", fake_pg._create_fake_pg, extended_api=True, devices=capability)
+
+
+def test_a_gpu_spin_occupies_the_stream_for_its_cycles():
+    assert callable(torch.cuda._sleep)
+    if not torch.cuda.is_available():
+        pytest.skip("the spin itself needs a CUDA GPU")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    tc.gpu_spin(10_000_000)  # about 5 ms at 2 GHz
+    end.record()
+    end.synchronize()
+    assert 1 < start.elapsed_time(end) < 100

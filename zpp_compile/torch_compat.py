@@ -260,3 +260,87 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+class NamedProcessGroup(dist.ProcessGroup):
+    """A process group written in Python (runtime.simulated_group's) that answers `group_name`.
+
+    torch names a group by calling its private `_set_group_name` once the backend's creator has
+    returned it (distributed_c10d._new_process_group_helper); the C++ getter then reads the name
+    from the group's registered backend, which a Python group has none of, and raises "ProcessGroup
+    name not set". Functional collectives, DeviceMesh and zeropp's topology all find a group by that
+    name, so the name given is kept here and answered from Python (torch's threaded test group reads
+    it from distributed_c10d's private world map instead)."""
+
+    def _set_group_name(self, name: str) -> None:
+        self._zeropp_group_name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        return self._zeropp_group_name
+
+
+def serve_fake_backend(creator: Any) -> None:
+    """Has `creator(common_options, backend_options)` serve the process groups torch's "fake"
+    backend is asked for; where it returns None, torch's own fake creator serves the request, as
+    before. Idempotent: a later call replaces the earlier creator.
+
+    Why: zeropp tells a world of one process (rank 0 alone playing every rank) by the backend name
+    "fake" (runtime.topology builds its agreement group over gloo otherwise, which cannot form in
+    one process; runtime.agreement skips the store's arrival counts), and the simulated network's
+    groups are such a world. torch registers its fake creator only under torch.testing, and names
+    it privately; the registration itself is public (`Backend.register_backend`)."""
+    from torch.testing._internal.distributed import fake_pg  # registers torch's creator first, once
+
+    torch_creator = fake_pg._create_fake_pg
+
+    def serve(common_options: Any, backend_options: Any) -> dist.ProcessGroup:
+        group = creator(common_options, backend_options)
+        return group if group is not None else torch_creator(common_options, backend_options)
+
+    devices = list(dist.Backend.backend_capability.get(dist.Backend.FAKE, ["cpu", "cuda"]))
+    dist.Backend.register_backend(dist.Backend.FAKE, serve, extended_api=True, devices=devices)
+
+
+# The library holding route_all_gather_out_to_python_groups' kernels, once they are registered
+# (a Library's registrations last as long as the object).
+_ALL_GATHER_OUT_KERNELS: list[torch.library.Library] = []
+
+
+def route_all_gather_out_to_python_groups() -> None:
+    """Makes the functional `all_gather_into_tensor_out` reach a Python group's (NamedProcessGroup's)
+    `all_gather_single`, on CPU and CUDA tensors; once per process, later calls do nothing.
+
+    Why: torch's kernel of the op (Functional.cpp) calls the C++ `ProcessGroup::_allgather_base`,
+    which the trampoline of a Python group (PyProcessGroup) does not hand to Python, as it does
+    `all_gather_single` and every other op zeropp issues: the base sends it to the group's C++
+    backend for the device, which a Python group has none of ("No backend type associated with
+    device type cpu"). zeropp gathers into a given output on CPU (runtime.collectives.
+    gathers_into_given_output). The kernels registered here take precedence over torch's
+    CompositeExplicitAutograd one for these devices and, for every group that is not a Python
+    group, do what it does: `_allgather_base`, then the work registered for `wait_tensor` (both
+    private in Python)."""
+    if _ALL_GATHER_OUT_KERNELS:
+        return
+    from torch._C._distributed_c10d import AllgatherOptions, _register_work, _resolve_process_group
+
+    def all_gather_into_tensor_out(input: torch.Tensor, group_size: int, group_name: str, *,
+                                   out: torch.Tensor) -> torch.Tensor:
+        group = _resolve_process_group(group_name)
+        gather = group.all_gather_single if isinstance(group, NamedProcessGroup) else group._allgather_base
+        _register_work(out, gather(out, input, AllgatherOptions()))
+        return out
+
+    library = torch.library.Library("_c10d_functional", "IMPL")
+    for device in ("CPU", "CUDA"):
+        library.impl("all_gather_into_tensor_out", all_gather_into_tensor_out, device)
+    _ALL_GATHER_OUT_KERNELS.append(library)
+
+
+def gpu_spin(cycles: int) -> None:
+    """Occupies the current CUDA stream for `cycles` of the GPU's clock (one thread spinning on
+    clock64(), so the SMs stay free for other streams' kernels): how the simulated network makes a
+    collective last its modeled time on the communication stream. torch's `_sleep` is private
+    (its own tests use it for the same purpose)."""
+    torch.cuda._sleep(int(cycles))
