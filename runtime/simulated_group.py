@@ -1,4 +1,4 @@
-"""A simulated network for rank 0 of an N-rank world, alone in one process (DESIGN.md section 8).
+"""A simulated network for rank 0 of an N-rank world, alone in one process.
 
 `init_simulated_world(world_size, network)` makes this process rank 0 of `world_size` ranks over a
 process group whose collectives move nothing between processes but take the time
