@@ -118,6 +118,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zpp_compile as zpp
 from zpp_compile import padding, text_table
+from zpp_compile.runtime.network_model import PRESETS, Network, network_from_preset
+from zpp_compile.runtime.simulated_group import COLLECTIVE_KERNEL, SimulatedWorld, init_simulated_world
 from zpp_compile.runtime.topology import world_received_bytes
 from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
@@ -191,11 +193,11 @@ def all_variants(hpz_size: int, zpp_reduce: torch.dtype, ranks_per_node: int = 1
 VARIANT_NAMES = tuple(all_variants(1, torch.bfloat16))
 
 
-def default_variants(on_gpu: bool, cuda_graphs: bool) -> list[str]:
+def default_variants(on_gpu: bool, cuda_graphs: bool, deepspeed: bool = True) -> list[str]:
     """Every variant this launch can run but the `_layers` ones (named when wanted): CUDA graphs
     need GPUs and Inductor, DeepSpeed's variants need deepspeed (and GPUs: its CPU accelerator is
-    not what anyone benchmarks)."""
-    deepspeed = on_gpu and importlib.util.find_spec("deepspeed") is not None
+    not what anyone benchmarks) and a real world."""
+    deepspeed = deepspeed and on_gpu and importlib.util.find_spec("deepspeed") is not None
     return [n for n in VARIANT_NAMES if (cuda_graphs or not n.endswith("_graphs")) and not n.endswith("_layers")
             and (deepspeed or not n.startswith("deepspeed"))]
 
@@ -283,6 +285,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zpp-reduce-dtype", choices=sorted(DTYPES), default="bf16", help="zeropp's gradient reduce dtype")
     p.add_argument("--slow-link", action="store_true",
                    help="set NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL over its network transport)")
+    p.add_argument("--simulate-network", choices=sorted(PRESETS), metavar="PRESET",
+                   help=f"run rank 0 of a --world of ranks alone, its collectives timed by the network model "
+                        f"(runtime/network_model.py), on one GPU or the CPU; presets: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--world", type=int, help="ranks of the simulated world (with --simulate-network)")
+    p.add_argument("--network-override", default="", metavar="KEY=VALUE,...",
+                   help="network model parameters replacing the preset's, e.g. inter_busbw_gbyte_per_s=20")
     p.add_argument("--compile-mode", choices=("inductor", "debug"), default="inductor",
                    help="debug: zeropp with inductor=False, FSDP2 blocks with backend='aot_eager'")
     p.add_argument("--zpp-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
@@ -313,7 +321,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         zpp.Config(**args.zpp_option)
     except (zpp.ConfigError, TypeError) as error:
         p.error(f"--zpp-option: {error}")
+    args.network = simulated_network(p, args, specs)
     return args
+
+
+def simulated_network(p: argparse.ArgumentParser, args: argparse.Namespace, specs: list[str]) -> Network | None:
+    """The network model --simulate-network asks for (None without it), its options checked."""
+    if args.simulate_network is None:
+        if args.world is not None or args.network_override:
+            p.error("--world and --network-override describe a simulated world: give --simulate-network PRESET too "
+                    "(a real world's size is torchrun's --nproc_per_node)")
+        return None
+    if args.world is None or args.world < 1:
+        p.error("--simulate-network needs --world N, the ranks of the world whose rank 0 this process runs")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        p.error("--simulate-network runs rank 0 alone in one process: launch it with python, not torchrun")
+    if args.slow_link:
+        p.error("--slow-link sets NCCL's transport; a simulated world has no NCCL: --simulate-network slow-link "
+                "models that link")
+    unsimulated = [n for n in specs if n.startswith("deepspeed") or variant_name(n).endswith("_graphs")]
+    if unsimulated:
+        p.error(f"--variants {','.join(unsimulated)}: DeepSpeed makes its own communicators and CUDA graphs replay "
+                "collectives without the simulated group: run these over a real world (torchrun)")
+    try:
+        return network_from_preset(args.simulate_network, emulated_ranks_per_node(args.world, args.ranks_per_node),
+                                   args.network_override)
+    except ValueError as error:
+        p.error(f"--simulate-network {args.simulate_network}: {error}")
 
 
 def fill_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
@@ -329,7 +363,8 @@ def fill_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     graphs = on_gpu and args.compile_mode == "inductor"  # what Config.cuda_graphs needs
-    args.variants = args.variants or ",".join(default_variants(on_gpu, graphs))
+    simulated = args.simulate_network is not None
+    args.variants = args.variants or ",".join(default_variants(on_gpu, graphs and not simulated, not simulated))
 
 
 # ----------------------------------------------------------------------------- models
@@ -514,13 +549,18 @@ def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
     return out
 
 
+def is_communication(kernel_name: str) -> bool:
+    """A NCCL kernel, or the kernel a simulated collective spins in for its modeled time."""
+    return kernel_name.startswith("nccl") or COLLECTIVE_KERNEL in kernel_name
+
+
 def exposed_communication(kernels: Iterable[tuple[str, float, float]]) -> float:
-    """Time during which a NCCL kernel runs and no other kernel does, from (name, start, end)
-    kernel records on one GPU: the union of NCCL intervals minus its overlap with the union of
-    all other (compute, quantization, copy) kernels."""
+    """Time during which a communication kernel runs and no other kernel does, from (name, start,
+    end) kernel records on one GPU: the union of NCCL (or simulated) intervals minus its overlap
+    with the union of all other (compute, quantization, copy) kernels."""
     kernels = list(kernels)
-    comm = merged((s, e) for name, s, e in kernels if name.startswith("nccl"))
-    compute = merged((s, e) for name, s, e in kernels if not name.startswith("nccl"))
+    comm = merged((s, e) for name, s, e in kernels if is_communication(name))
+    compute = merged((s, e) for name, s, e in kernels if not is_communication(name))
     overlap, j = 0.0, 0
     for start, end in comm:
         while j < len(compute) and compute[j][1] <= start:
@@ -533,14 +573,14 @@ def exposed_communication(kernels: Iterable[tuple[str, float, float]]) -> float:
 
 
 def compute_time(kernels: Iterable[tuple[str, float, float]]) -> float:
-    """Time in which some kernel other than NCCL's runs, from (name, start, end) records on one GPU."""
-    return sum(end - start for start, end in merged((s, e) for name, s, e in kernels if not name.startswith("nccl")))
+    """Time in which some kernel other than communication's runs, from (name, start, end) records on one GPU."""
+    return sum(end - start for start, end in merged((s, e) for name, s, e in kernels if not is_communication(name)))
 
 
 # The compute-stream breakdown's kernel kinds, by the names the profiler gives CUDA kernels; the
 # first kind whose pattern a name holds (lower case) takes it, "other" what none does.
 KERNEL_KINDS = (
-    ("nccl", ("nccl",)),
+    ("nccl", ("nccl", COLLECTIVE_KERNEL)),  # a simulated collective's spin stands for NCCL's kernel
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("quantization", ("qwz_", "qgz_")),  # zeropp's Triton kernels
@@ -753,7 +793,14 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
     warmup_s += first_step_s
     dist.barrier()
     retries_before = alloc_retries(device)
+    simulated: SimulatedWorld | None = env["simulated"]
+    if simulated:
+        simulated.ledger.clear()
+        waited_before = simulated.host_waited_seconds()
     seconds, host_seconds = timed(device, lambda: train(args.steps))
+    if simulated:  # read before any other collective is charged
+        modeled_comm_s = simulated.ledger.seconds() / args.steps
+        host_waited_share = (simulated.host_waited_seconds() - waited_before) / seconds
     retries = rank_max(alloc_retries(device) - retries_before, device) if device.type == "cuda" else None
     seconds = rank_max(seconds, device) / args.steps
     host_seconds = rank_max(host_seconds, device) / args.steps
@@ -762,9 +809,14 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         trace = os.path.join(args.trace_dir, f"{trace_name}.rank{dist.get_rank()}") if args.trace_dir else None
         kernels, wall_us = profiled_kernels(lambda: train(args.profile_steps), trace)
         breakdown = kernel_breakdown(kernels, args.profile_steps)  # rank 0's
-        exposed, peer_wait = exposed_and_peer_wait(kernels, wall_us)
         busy = compute_time(kernels) / 1e6 / args.profile_steps / seconds
-        exposed, peer_wait, busy = (rank_max(v, device) for v in (exposed, peer_wait, busy))
+        if simulated:  # one rank: every other is taken to run as it does, so none waits for a peer
+            exposed = exposed_communication(kernels) / wall_us
+        else:
+            exposed, peer_wait = exposed_and_peer_wait(kernels, wall_us)
+            exposed, peer_wait, busy = (rank_max(v, device) for v in (exposed, peer_wait, busy))
+    elif simulated and device.type == "cpu":
+        exposed = host_waited_share  # the time the program stood waiting for the modeled network
     peak = rank_max(torch.cuda.max_memory_allocated(), device) if device.type == "cuda" else None
 
     tokens_per_s = world * args.batch * args.seq / seconds
@@ -778,6 +830,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
         "peak_memory_bytes": peak, "allocated_at_start_bytes": leftover, "exposed_comm_fraction": exposed,
         "peer_wait_fraction": peer_wait, "gpu_busy_fraction": busy, "kernel_ms_per_step": breakdown,
         "parameters": n_params, "alloc_retries_in_timed_steps": retries,
+        "simulated_comm_ms_per_step": modeled_comm_s * 1e3 if simulated else None,
         **comm_bytes(variant, shard_numel, world, ranks_per_node),
     }
     if variant.system == "deepspeed":
@@ -1015,7 +1068,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     if args.slow_link:  # NCCL reads these when it creates a communicator, which happens after this
         os.environ.update(SLOW_LINK_ENV)
-    device = init_distributed()
+    simulated = join_simulated_world(args.world, args.network) if args.network else None
+    device = simulated.device if simulated else init_distributed()
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     fill_defaults(args, device.type == "cuda")
@@ -1025,7 +1079,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     variants = all_variants(hpz_size, DTYPES[args.zpp_reduce_dtype], ranks_per_node)
     peak = peak_tflops(args, device)
     env = {"device": device, "world": world, "ranks_per_node": ranks_per_node, "peak_tflops": peak,
-           "mesh": init_device_mesh(device.type, (world,))}
+           "mesh": init_device_mesh(device.type, (world,)), "simulated": simulated}
 
     steps = args.warmup + args.steps + (args.profile_steps if device.type == "cuda" else 0)
     if args.model == "gpt":
@@ -1050,7 +1104,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "world": world,
         "ranks_per_node": ranks_per_node, "hpz_partition_size": hpz_size, "backend": dist.get_backend(),
-        "link": "slow (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)" if slow else "default",
+        "link": (f"simulated: {args.simulate_network}" if simulated else
+                 "slow (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)" if slow else "default"),
+        "simulated_network": {"preset": args.simulate_network, "overrides": args.network_override,
+                              **args.network.to_dict()} if simulated else None,
         "torch": torch.__version__, "nccl": str(torch.cuda.nccl.version()) if device.type == "cuda" else None,
         "model": model_setup, "activation_checkpointing": args.activation_checkpointing,
         "transformers": _version("transformers"), "deepspeed": _version("deepspeed"),
@@ -1065,6 +1122,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(f"bench: {world} ranks as {world // ranks_per_node} emulated nodes x {ranks_per_node}, "
               f"{setup['device']}, "
               f"link {setup['link']}, {described}", flush=True)
+        if simulated:
+            print(f"SIMULATED: rank 0 of {world} runs alone; its collectives move nothing and last what the network "
+                  f"model gives ({args.simulate_network}: {describe_network(args.network)}); every figure below is "
+                  "rank 0's, taken as every rank's", flush=True)
         if peak:
             print(f"MFU against a peak of {peak:.0f} TFLOP/s per GPU ({setup['peak_tflops_source']})", flush=True)
 
@@ -1078,8 +1139,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             r = run_variant(variant_of(name, variants), args, data, env, label)
             rounds[name].append(r)
             if rank == 0:
+                modeled = r["simulated_comm_ms_per_step"]
                 print(f"  {label:<24} {r['ms_per_step']:8.1f} ms/step "
-                      f"(host issues a step in {r['host_ms_per_step']:.1f} ms) "
+                      f"(host issues a step in {r['host_ms_per_step']:.1f} ms"
+                      + (f"; the network model charged {modeled:.1f} ms of collectives" if simulated else "") + ") "
                       f"{r['tokens_per_s']:>10,.0f} tokens/s  (first step {r['first_step_s']:.1f} s, "
                       f"warmup {r['warmup_s']:.1f} s; {time.perf_counter() - launch_start:.0f} s into the launch)"
                       + (f", {r['alloc_retries_in_timed_steps']:.0f} allocator retries in the timed steps"
@@ -1089,6 +1152,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                    "variants": medians(rounds, names)})
     results = medians(rounds, names)
     if rank == 0:
+        if simulated:
+            print(f"SIMULATED network ({args.simulate_network}), rank 0 of {world}:")
         print(table(results))
         if (breakdown := breakdown_table(results)) is not None:
             print(breakdown)
@@ -1098,9 +1163,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.json:
             write_json(args.json, {"setup": {**setup, "rounds_finished": args.rounds}, "variants": results})
         if args.png:
-            plot(results, f"{setup['device']} x{world}, link {setup['link']}, {described} ({setup['date']})", args.png)
+            what = f"rank 0 of {world} on {setup['device']}" if simulated else f"{setup['device']} x{world}"
+            plot(results, f"{what}, link {setup['link']}, {described} ({setup['date']})", args.png)
     dist.destroy_process_group()
     return results
+
+
+def join_simulated_world(world: int, network: Network) -> SimulatedWorld:
+    """This process as rank 0 of `world` ranks over `network` (runtime/simulated_group.py), on the
+    first GPU where there is one."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    return init_simulated_world(world, network)
+
+
+def describe_network(network: Network) -> str:
+    """The network model's parameters in a line: each link's latency and bus bandwidth."""
+    links = [("within a node", network.intra_node), ("between nodes", network.inter_node or network.intra_node)]
+    return ", ".join(f"{where} {link.latency_s * 1e6:.1f} us + {link.busbw_bytes_per_s / 1e9:.1f} GB/s bus bandwidth"
+                     for where, link in links) + f", {network.ranks_per_node} ranks per node"
 
 
 def _version(package: str) -> str | None:

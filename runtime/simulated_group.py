@@ -36,7 +36,8 @@ seconds.
   the GPU's clock cycles; their rate is measured once per device (`cycles_per_second`). The
   fill's copies are real kernels on that stream and add their own (small) time to the modeled.
 - On the CPU: outputs are filled at once; the channel is a modeled clock (time.monotonic), and
-  `Work.wait()` sleeps until the collective's modeled end, so the program waits where it would.
+  `Work.wait()` sleeps until the collective's modeled end, so the program waits where it would;
+  the sleeps add up to `SimulatedWorld.host_waited_seconds()`, the run's exposed communication.
 - Collectives on tensors of another device than the world's (object collectives, zeropp's
   agreement checks: CPU tensors in a CUDA run) are filled at once and take no time.
 
@@ -70,10 +71,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..torch_compat import NamedProcessGroup, gpu_spin, route_all_gather_out_to_python_groups, serve_fake_backend
+from ..torch_compat import (GPU_SPIN_KERNEL, NamedProcessGroup, gpu_spin, route_all_gather_out_to_python_groups,
+                            serve_fake_backend)
 from .network_model import Network, collective_seconds
 
 BACKEND = "zeropp_simulated"
+# What a profiler trace names the kernel a collective occupies the communication stream with on
+# CUDA: a benchmark counts it as communication, as it counts NCCL's kernels.
+COLLECTIVE_KERNEL = GPU_SPIN_KERNEL
 BARRIER_BYTES = 4  # NCCL's barrier: an all-reduce of one float
 
 
@@ -129,6 +134,7 @@ class HostChannel:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free_at = 0.0  # time.monotonic() at which the last collective issued ends
+        self._waited = 0.0
 
     def occupy(self, seconds: float) -> float:
         """Books a collective of `seconds` issued now (its inputs are ready: CPU ops run in
@@ -136,6 +142,19 @@ class HostChannel:
         with self._lock:
             self._free_at = max(time.monotonic(), self._free_at) + seconds
             return self._free_at
+
+    def wait_until(self, ends_at: float) -> None:
+        """Sleeps until `ends_at`, adding the sleep to `waited_seconds`."""
+        slept = max(0.0, ends_at - time.monotonic())
+        time.sleep(slept)
+        with self._lock:
+            self._waited += slept
+
+    def waited_seconds(self) -> float:
+        """Seconds the program has stood waiting for this channel's collectives: a CPU run's
+        exposed communication (what no computation hid)."""
+        with self._lock:
+            return self._waited
 
 
 class DeviceChannel:
@@ -189,11 +208,12 @@ class SimulatedWork(dist.Work):
     """One simulated collective: waiting for it waits for its modeled end (the host until it on
     the CPU; on CUDA the waiting stream, or the host for a barrier)."""
 
-    def __init__(self, outputs: list[torch.Tensor], *, ends_at: float | None = None,
+    def __init__(self, outputs: list[torch.Tensor], *, ends_at: float | None = None, channel: HostChannel | None = None,
                  done: torch.cuda.Event | None = None, blocks_host: bool = False) -> None:
         super().__init__()
         self._outputs = outputs
         self._ends_at = ends_at
+        self._channel = channel
         self._done = done
         self._blocks_host = blocks_host
 
@@ -203,8 +223,8 @@ class SimulatedWork(dist.Work):
                 self._done.synchronize()
             else:
                 torch.cuda.current_stream().wait_event(self._done)
-        elif self._ends_at is not None:
-            time.sleep(max(0.0, self._ends_at - time.monotonic()))
+        elif self._ends_at is not None and self._channel is not None:
+            self._channel.wait_until(self._ends_at)
         return True
 
     def is_completed(self) -> bool:
@@ -258,7 +278,14 @@ class SimulatedWorld:
                 done = self.device_channel(device).run(fill, seconds, tensors)
                 return SimulatedWork(outputs, done=done, blocks_host=blocks_host)
             fill()
-        return SimulatedWork(outputs, ends_at=self._host.occupy(seconds) if timed else None)
+        if not timed:
+            return SimulatedWork(outputs)
+        return SimulatedWork(outputs, ends_at=self._host.occupy(seconds), channel=self._host)
+
+    def host_waited_seconds(self) -> float:
+        """Seconds a CPU run has stood waiting for its collectives (`HostChannel.waited_seconds`);
+        0 on CUDA, where the waiting is a stream's (a profiler trace shows it)."""
+        return self._host.waited_seconds()
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -51,3 +51,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     import distributed
 
     distributed.UNMARKED_TEST = None if item.get_closest_marker("distributed") else item.nodeid
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Test ranks that died in native code in a call that then passed on new processes
+    (tests/distributed.py): said at the end, with where each died."""
+    import distributed
+
+    if distributed.NATIVE_CRASHES:
+        terminalreporter.section("test ranks that died in native code (their tests passed when run again)")
+        for crash in distributed.NATIVE_CRASHES:
+            terminalreporter.write_line(crash)

@@ -13,18 +13,27 @@ generators reseeded). A call made under other environment variables than the ser
 interpreters (what is read at start, such as PYTHONHASHSEED, must take effect); a call that fails,
 times out or waits only for some ranks, or asks for `fresh` processes (a test of what a new process
 does), ends its ranks.
+
+A rank that dies in native code (a segmentation fault in torch, gloo or a compiled kernel) writes
+where it was to a file of its own (faulthandler). The call then runs once more on new processes:
+a crash that comes back fails the test with both reports; one that does not is listed at the end
+of the session (`NATIVE_CRASHES`, printed by conftest.py) with the stack it died on, so a crash is
+never passed over in silence, and a rare one in a library does not fail a run whose checks pass.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import gc
 import itertools
 import os
 import queue
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -60,18 +69,54 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     awaited = sorted(set(range(world_size) if reporting is None else reporting))
     keep = reporting is None and not fresh
     ranks = _RANKS.take(world_size) if keep else _Ranks(world_size)
-    outcome = ranks.call(fn, args, awaited, timeout_s)
-    failed = bool(set(awaited) - outcome.keys()) or any(status == "error" for status, _ in outcome.values())
-    if keep and not failed:
-        _RANKS.give_back(ranks)
-    else:
-        ranks.end(answered=outcome.keys())
+    outcome, crashes = _call(ranks, fn, args, awaited, timeout_s, keep)
+    if crashes and reporting is None:  # a rank made to die is awaited by no one: `reporting` names the others
+        first = _crash_report(fn, crashes)
+        outcome, crashes = _call(_Ranks(world_size), fn, args, awaited, timeout_s, keep)
+        if crashes:
+            raise AssertionError(f"{first}\nand again on new processes:\n{_crash_report(fn, crashes)}")
+        NATIVE_CRASHES.append(f"{os.environ.get('PYTEST_CURRENT_TEST', fn.__name__)}: {first}\n"
+                              "(passed when run again on new processes)")
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcome.items()) if s == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
     if set(awaited) - outcome.keys():
         raise AssertionError(f"ranks {sorted(set(awaited) - outcome.keys())} did not finish in {timeout_s}s")
     return [outcome[r][1] for r in awaited]
+
+
+# Native crashes of ranks whose call passed when run again (`run_ranks`), for the session's summary.
+NATIVE_CRASHES: list[str] = []
+
+
+def _call(ranks: _Ranks, fn: Callable[..., Any], args: tuple, awaited: list[int], timeout_s: float,
+          keep: bool) -> tuple[dict[int, tuple[str, Any]], dict[int, str]]:
+    """One call on `ranks`, which are kept for the next call if `keep` and all went well, else ended:
+    the outcome (`_Ranks.call`) and the native crashes of ranks that died during it (`_Ranks.crashes`)."""
+    outcome = ranks.call(fn, args, awaited, timeout_s)
+    failed = bool(set(awaited) - outcome.keys()) or any(status == "error" for status, _ in outcome.values())
+    if keep and not failed:
+        _RANKS.give_back(ranks)
+        return outcome, {}
+    ranks.end(answered=outcome.keys())
+    return outcome, ranks.crashes()
+
+
+def _crash_report(fn: Callable[..., Any], crashes: dict[int, str]) -> str:
+    return "\n".join(f"rank {rank} died in native code while running {fn.__name__}:\n{where}"
+                     for rank, where in sorted(crashes.items()))
+
+
+def _crashing_thread(report: str) -> str:
+    """Of a faulthandler report, the fatal error's line and the stack of the thread that raised it
+    (the other threads' stacks are mostly idle pools)."""
+    lines = report.splitlines()
+    fatal = next((line for line in lines if line.startswith("Fatal Python error")), "a fatal error")
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    if start is None:
+        return report.strip()
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+    return "\n".join([fatal, *lines[start:end]])
 
 
 class _Ranks:
@@ -85,8 +130,11 @@ class _Ranks:
         self.calls = [context.Queue() for _ in range(world_size)]
         self.call_ids = itertools.count()
         port = _free_port()
+        self.crash_folder = tempfile.mkdtemp(prefix="zpp-test-ranks-")
+        self._crashes: dict[int, str] = {}
         self.procs = [
-            context.Process(target=_rank_main, args=(rank, world_size, port, self.calls[rank], self.results),
+            context.Process(target=_rank_main, args=(rank, world_size, port, self.calls[rank], self.results,
+                                                     self.crash_file(rank)),
                             daemon=True)
             for rank in range(world_size)
         ]
@@ -101,15 +149,18 @@ class _Ranks:
         for calls in self.calls:
             calls.put((call_id, fn, args))
         outcome: dict[int, tuple[str, Any]] = {}
-        try:
-            while not set(awaited) <= outcome.keys():
-                answered_id, rank, status, value = self.results.get(timeout=timeout_s)
-                if answered_id in (call_id, None):  # None: the rank failed to join the group
-                    outcome[rank] = (status, value)
-                    if status == "error":
-                        break
-        except queue.Empty:
-            pass
+        deadline = time.monotonic() + timeout_s
+        while not set(awaited) <= outcome.keys() and time.monotonic() < deadline:
+            try:
+                answered_id, rank, status, value = self.results.get(timeout=min(1.0, timeout_s))
+            except queue.Empty:
+                if any(not self.procs[r].is_alive() for r in set(awaited) - outcome.keys()):
+                    break  # a rank died without answering (killed, or in native code): none will
+                continue
+            if answered_id in (call_id, None):  # None: the rank failed to join the group
+                outcome[rank] = (status, value)
+                if status == "error":
+                    break
         return outcome
 
     def end(self, answered: Iterable[int]) -> None:
@@ -122,6 +173,20 @@ class _Ranks:
             if p.is_alive():
                 p.kill()
                 p.join()
+        self._crashes = {}
+        for rank in range(self.world_size):
+            with contextlib.suppress(FileNotFoundError), open(self.crash_file(rank)) as f:
+                if (report := f.read()).strip():
+                    self._crashes[rank] = _crashing_thread(report)
+        shutil.rmtree(self.crash_folder, ignore_errors=True)
+
+    def crash_file(self, rank: int) -> str:
+        """Where rank `rank`'s faulthandler writes if it dies in native code."""
+        return os.path.join(self.crash_folder, f"rank{rank}.crash")
+
+    def crashes(self) -> dict[int, str]:
+        """Rank: where it died (`_crashing_thread`), for the ranks that died in native code (read by `end`)."""
+        return self._crashes
 
 
 class _KeptRanks:
@@ -213,12 +278,14 @@ def for_each_config(rank: int, world_size: int, fn: Callable[..., Any], configs:
     return in_turn(rank, world_size, [(fn, config) for config in configs])
 
 
-def _rank_main(rank, world_size, port, calls, results) -> None:
+def _rank_main(rank, world_size, port, calls, results, crash_file) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
-    faulthandler.enable(all_threads=True)  # a rank that aborts in native code shows where, on stderr
+    # A rank that dies in native code says where, in its file (`_Ranks.crashes`); the file stays
+    # open for the process's life, as faulthandler needs.
+    faulthandler.enable(file=open(crash_file, "w"), all_threads=True)
     # What the rank starts with (torch, Inductor, the model libraries) lives as long as the rank.
     # Put out of the collector's reach, it is not walked again by every full collection
     # (zpp_compile.shard makes one, Python others as the heap grows): those walk only what the

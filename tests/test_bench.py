@@ -24,6 +24,7 @@ import transformers
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import bench  # noqa: E402
 from bench import (LLAMA_SHAPES, all_variants, breakdown_table, compute_time, default_variants,  # noqa: E402
                    exposed_and_peer_wait, exposed_communication, kernel_breakdown, llama, median_round, nccl_durations,
                    parse_args, transfer_only, transfer_times, variant_of, variant_specs)
@@ -205,6 +206,65 @@ def test_bad_model_options_are_clear_errors(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--warmup", "0"])
     assert "--warmup 0" in capsys.readouterr().err
+
+
+def test_a_simulated_world_benchmarks_rank_0_alone_with_the_models_parameters_recorded(tmp_path, capsys):
+    """One process, no torchrun: rank 0 of 8 (2 nodes of 4) over a slow modeled network. The run is
+    marked as simulated, the JSON keeps the model's parameters with the override, and each variant's
+    exposed communication is time its collectives were charged (never more than they were)."""
+    path = tmp_path / "simulated.json"
+    try:
+        bench.main([*SHORT_RUN, "--dim", str(DIM), "--layers", str(LAYERS), "--heads", str(HEADS),
+                    "--data-bytes", "200000", "--variants", "fsdp2,zero3,all3", "--simulate-network", "ib-100g",
+                    "--world", "8", "--ranks-per-node", "4", "--network-override", "inter_busbw_gbyte_per_s=0.05",
+                    "--json", str(path), "--png", str(tmp_path / "simulated.png")])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    out = capsys.readouterr().out
+    assert "SIMULATED: rank 0 of 8 runs alone" in out and "SIMULATED network (ib-100g), rank 0 of 8:" in out
+    record = json.loads(path.read_text())
+    setup = record["setup"]
+    assert setup["world"] == 8 and setup["ranks_per_node"] == 4 and setup["link"] == "simulated: ib-100g"
+    network = setup["simulated_network"]
+    assert network["preset"] == "ib-100g" and network["overrides"] == "inter_busbw_gbyte_per_s=0.05"
+    assert network["inter_busbw_gbyte_per_s"] == 0.05 and network["ranks_per_node"] == 4
+    assert network["intra_busbw_gbyte_per_s"] == 245.0
+    assert (tmp_path / "simulated.png").stat().st_size > 0
+    for r in record["variants"]:
+        modeled, exposed = r["simulated_comm_ms_per_step"], r["exposed_comm_fraction"] * r["ms_per_step"]
+        assert modeled > 0 and 0 <= exposed <= modeled * 1.05 + 0.5, (r["name"], modeled, exposed)
+        assert r["peer_wait_fraction"] is None  # one rank: no peer to wait for
+    by_name = {r["name"]: r for r in record["variants"]}
+    # qwZ and qgZ send a fraction of ZeRO-3's bytes over the slow link: far less modeled time
+    assert by_name["all3"]["simulated_comm_ms_per_step"] < 0.5 * by_name["zero3"]["simulated_comm_ms_per_step"]
+
+
+def test_simulated_world_options_are_clear_errors(capsys):
+    cases = [
+        (["--world", "8"], "give --simulate-network PRESET too"),
+        (["--simulate-network", "ib-100g"], "--simulate-network needs --world N"),
+        (["--simulate-network", "ib-100g", "--world", "8", "--slow-link"], "models that link"),
+        (["--simulate-network", "ib-100g", "--world", "8", "--variants", "zero3_graphs"],
+         "run these over a real world"),
+        (["--simulate-network", "ib-100g", "--world", "8", "--ranks-per-node", "3"], "does not divide"),
+        (["--simulate-network", "ib-100g", "--world", "8", "--network-override", "inter_speed=3"],
+         "unknown network override 'inter_speed'"),
+        (["--simulate-network", "nvlink-h100", "--world", "8", "--network-override", "inter_latency_us=3"],
+         "it has no inter-node link"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def test_a_simulated_collectives_kernel_counts_as_communication():
+    spin = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
+    kernels = [("gemm", 0.0, 10.0), (spin, 5.0, 20.0), ("copy", 25.0, 30.0)]
+    assert exposed_communication(kernels) == 10.0
+    assert compute_time(kernels) == 15.0
+    assert kernel_breakdown(kernels, 1)["nccl"] == 15.0e-3
 
 
 def test_zpp_options_read_json_or_python_values():

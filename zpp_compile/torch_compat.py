@@ -338,6 +338,10 @@ def route_all_gather_out_to_python_groups() -> None:
     _ALL_GATHER_OUT_KERNELS.append(library)
 
 
+# The name of the kernel `gpu_spin` launches, as a profiler trace shows it (torch's ATen/cuda/Sleep.cu).
+GPU_SPIN_KERNEL = "spin_kernel"
+
+
 def gpu_spin(cycles: int) -> None:
     """Occupies the current CUDA stream for `cycles` of the GPU's clock (one thread spinning on
     clock64(), so the SMs stay free for other streams' kernels): how the simulated network makes a
