@@ -31,6 +31,15 @@ compilation are those of a rank of that world, while step times, and the values 
 
     python examples/compile_probe.py --shape llama-3b --fake-world 2 --seq 4096 --batch 1 --dtype bf16 \
         --variants fsdp2 zero3-layers
+
+With `--simulate-network PRESET` the fake world's collectives take the time the network model
+gives (runtime/network_model.py, runtime/simulated_group.py) on nodes of `--ranks-per-node` ranks:
+the step times are then rank 0's over that modeled network, marked as simulated, with the
+collectives' modeled time per step ("net ms") and, on CPU, the part of it the step stood waiting
+for ("exposed ms"); the JSON keeps the model's parameters.
+
+    python examples/compile_probe.py --shape llama-3b --fake-world 64 --simulate-network ib-100g \
+        --ranks-per-node 8 --seq 4096 --batch 1 --dtype bf16 --variants fsdp2 zero3-layers all3
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ import torch.nn as nn
 from bench import (LLAMA_SHAPES, LlamaShape, llama, variant_name,  # examples/bench.py (this script's folder)
                    variant_options, variant_spec_error)
 from zpp_compile import text_table
+from zpp_compile.runtime.network_model import PRESETS, Network, network_from_preset
+from zpp_compile.runtime.simulated_group import init_simulated_world
 
 # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one.
 SHAPES = {"small": LlamaShape(1024, 128, 16, 4, 2, 352, True),
@@ -89,6 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU on CUDA)")
     p.add_argument("--fake-world", type=int, metavar="N",
                    help="run rank 0 of N alone over torch's fake process group (collectives move nothing)")
+    p.add_argument("--simulate-network", choices=sorted(PRESETS), metavar="PRESET",
+                   help=f"with --fake-world: collectives last the network model's time ({', '.join(sorted(PRESETS))})")
+    p.add_argument("--ranks-per-node", type=int,
+                   help="ranks per node of the simulated network and of zeropp's Config (default: the world is one "
+                        "node, all3 two)")
+    p.add_argument("--network-override", default="", metavar="KEY=VALUE,...",
+                   help="network model parameters replacing the preset's, e.g. inter_busbw_gbyte_per_s=20")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--steps", type=int, default=3, help="steps timed after the first")
@@ -110,7 +128,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for spec in args.variants:
         if (error := variant_spec_error(spec, VARIANTS)) is not None:
             p.error(f"--variants {spec}: {error}")
+    if (args.simulate_network or args.network_override) and not args.fake_world:
+        p.error("--simulate-network times the collectives of a world run by one process: give --fake-world N too")
+    if args.ranks_per_node and args.ranks_per_node < 1:
+        p.error(f"--ranks-per-node {args.ranks_per_node}: give 1 or more")
+    world = args.fake_world or args.nproc
+    if args.ranks_per_node and world % args.ranks_per_node:
+        p.error(f"--ranks-per-node {args.ranks_per_node} does not divide the world of {world} ranks")
+    if args.simulate_network:
+        try:
+            simulated_network(args)
+        except ValueError as error:
+            p.error(f"--simulate-network {args.simulate_network}: {error}")
     return args
+
+
+def simulated_network(args: argparse.Namespace) -> Network:
+    """The network model of --simulate-network, on nodes of --ranks-per-node (default: one node)."""
+    return network_from_preset(args.simulate_network, args.ranks_per_node or args.fake_world, args.network_override)
 
 
 # ----------------------------------------------------------------------------- one launch
@@ -145,19 +180,20 @@ def prepare(args: argparse.Namespace, model: nn.Module, device: torch.device) ->
         return torch.compile(model)
     import zpp_compile as zpp
 
-    zpp.shard(model, zpp_config(args.variant, world, compute))
+    zpp.shard(model, zpp_config(args.variant, world, compute, args.ranks_per_node))
     return torch.compile(model, backend="zeropp")
 
 
-def zpp_config(spec: str, world: int, compute: torch.dtype | None) -> Any:
+def zpp_config(spec: str, world: int, compute: torch.dtype | None, ranks_per_node: int | None = None) -> Any:
     """The zeropp Config of a variant spec (`zero3`, `zero3-layers`, `all3`, each with @KEY=VALUE fields)."""
     import zpp_compile as zpp
 
     name = variant_name(spec)
-    options = {"param_dtype": compute, "ranks_per_node": world, "compile_layers_once": name == "zero3-layers"}
+    options = {"param_dtype": compute, "ranks_per_node": ranks_per_node or world,
+               "compile_layers_once": name == "zero3-layers"}
     if name == "all3":
         # Two emulated nodes where there are two ranks or more, so each technique has a link to act on.
-        per_node = max(world // 2, 1)
+        per_node = ranks_per_node or max(world // 2, 1)
         options.update(quantized_weights=True, hpz_partition_size=per_node, quantized_gradients=True,
                        ranks_per_node=per_node)
     return zpp.Config(**{**options, **variant_options(spec)})
@@ -182,7 +218,14 @@ def cache_counts() -> dict[str, int]:
 def worker(args: argparse.Namespace) -> None:
     from gpt import init_distributed  # examples/gpt.py
 
-    device = join_fake_world(args.fake_world) if args.fake_world else init_distributed()
+    simulated = None
+    if args.simulate_network:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        simulated = init_simulated_world(args.fake_world, simulated_network(args))
+        device = simulated.device
+    else:
+        device = join_fake_world(args.fake_world) if args.fake_world else init_distributed()
     rank = dist.get_rank()
     layers = int(args.layers[0])
     model = build_llama(args, layers, device)
@@ -210,10 +253,20 @@ def worker(args: argparse.Namespace) -> None:
         profiler.disable()
     first, first_cpu = time.perf_counter() - start, cpu_seconds() - start_cpu
     times = []
+    if simulated:
+        simulated.ledger.clear()
+        waited_before = simulated.host_waited_seconds()
     for _ in range(args.steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    network = None
+    if simulated and args.steps:
+        waited = (simulated.host_waited_seconds() - waited_before) / args.steps
+        network = {"preset": args.simulate_network, "overrides": args.network_override,
+                   **simulated.network.to_dict(), "comm_ms_per_step": 1e3 * simulated.ledger.seconds() / args.steps,
+                   # the CPU's host waits; on CUDA the waiting is a stream's, which this probe does not trace
+                   "exposed_ms_per_step": 1e3 * waited if device.type == "cpu" else None}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     step_s = statistics.median(times) if times else None
     tflops = flops_per_step(model.config, args.batch, args.seq) / step_s / 1e12 if step_s else None
@@ -221,7 +274,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(firsts, first)
     if rank == 0:
         result = {"variant": args.variant, "layers": layers, "launch": args.launch, "world": dist.get_world_size(),
-                  "fake_world": bool(args.fake_world), "first_step_s": max(firsts),
+                  "fake_world": bool(args.fake_world), "simulated_network": network, "first_step_s": max(firsts),
                   "first_step_cpu_s": first_cpu,
                   "ms_per_step": 1e3 * step_s if step_s else None, "peak_gib": peak, "tflops": tflops,
                   "mfu": tflops / args.peak_tflops if tflops and args.peak_tflops else None,
@@ -315,6 +368,9 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, round
     command += ["--vocab", str(args.vocab)] if args.vocab else []
     command += ["--profile", args.profile] if args.profile else []
     command += ["--fake-world", str(args.fake_world)] if args.fake_world else []
+    command += ["--simulate-network", args.simulate_network] if args.simulate_network else []
+    command += ["--network-override", args.network_override] if args.network_override else []
+    command += ["--ranks-per-node", str(args.ranks_per_node)] if args.ranks_per_node else []
     start = time.perf_counter()
     returncode = subprocess.run(command, env=env).returncode
     if returncode != 0:  # the worker's traceback is above; the launches of other variants still run
@@ -326,7 +382,10 @@ def launch(args: argparse.Namespace, variant: str, layers: int, name: str, round
 
 
 def table(results: list[dict]) -> str:
-    headers = ("variant", "layers", "launch", "first step s", "cpu s", "ms/step", "peak GiB", "MFU", *COLUMNS)
+    simulated = any(r.get("simulated_network") for r in results)
+    network = ("net ms", "exposed ms") if simulated else ()
+    headers = ("variant", "layers", "launch", "first step s", "cpu s", "ms/step", *network, "peak GiB", "MFU", *COLUMNS)
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     rows = []
     for r in results:
         if "failed" in r:
@@ -335,9 +394,12 @@ def table(results: list[dict]) -> str:
         p = phases(r["first_step_s"], r["compile_times"])
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        modeled = r.get("simulated_network") or {}
+        comm = (fmt(modeled.get("comm_ms_per_step")), fmt(modeled.get("exposed_ms_per_step"))) if simulated else ()
         rows.append((r["variant"], r["layers"], r["launch"], f"{r['first_step_s']:.1f}", f"{r['first_step_cpu_s']:.1f}",
-                     f"{r['ms_per_step']:.1f}", peak, mfu, *(f"{p[c]:.1f}" for c in COLUMNS)))
-    lines = [text_table.render(headers, rows, align="<><" + ">" * (5 + len(COLUMNS)))]
+                     fmt(r["ms_per_step"]), *comm, peak, mfu, *(f"{p[c]:.1f}" for c in COLUMNS)))
+    lines = ["SIMULATED network: step times are rank 0's over the modeled network"] if simulated else []
+    lines.append(text_table.render(headers, rows, align="<><" + ">" * (5 + len(network) + len(COLUMNS))))
     finished = [r for r in results if "failed" not in r]
     for r in finished:
         p = phases(r["first_step_s"], r["compile_times"])
@@ -367,7 +429,11 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     results = []
-    if args.fake_world:
+    if args.simulate_network:
+        print(f"SIMULATED: rank 0 of {args.fake_world} alone, its collectives moving nothing and lasting what the "
+              f"network model gives ({args.simulate_network}, {args.ranks_per_node or args.fake_world} ranks per node)",
+              flush=True)
+    elif args.fake_world:
         print(f"rank 0 of {args.fake_world} alone, over torch's fake process group: its collectives move nothing, "
               "so step times are not the world's", flush=True)
     for layers in args.layers or DEFAULT_LAYERS[args.shape]:

@@ -40,7 +40,7 @@ from ..torch_compat import EXAMPLE_VALUE, default_store
 
 from .ops import gather_param_args
 from .registry import COMPILATION, ShardingState
-from .topology import Topology
+from .topology import Topology, one_process_world
 
 
 # How long a collective call (check_same_call) waits for the other ranks before it warns which have
@@ -145,7 +145,7 @@ class _Arrivals:
     def entering(cls, topology: Topology, call: str) -> Iterator[_Arrivals | None]:
         """This rank counted in `call` for as long as the context lasts; None where no store records
         it (a dry run over torch's fake group, whose collectives never wait, or a store gone)."""
-        if topology.agreement is None or dist.get_backend(topology.agreement) == "fake":
+        if topology.agreement is None or one_process_world(topology.agreement):
             yield None
             return
         store = default_store()

@@ -46,8 +46,10 @@ what ran, for a benchmark's exposed communication, unlike zpp_compile.ledger, wh
 compiled graphs say they issue.
 
 Naming: the world's groups are made under torch's backend name "fake" (`torch_compat.
-serve_fake_backend`), by which zeropp tells a world of one process (runtime.topology then builds
-its agreement group on the same backend instead of gloo, which cannot form in one process). They
+serve_fake_backend`), by which zeropp tells a world of one process (`topology.one_process_world`:
+it then builds its agreement group on the same backend instead of gloo, which cannot form in one
+process), for the world's device type and the CPU only ("cpu:fake" for a CPU world on a machine
+with GPUs), so that zeropp keeps its shards where the collectives are timed. They
 report themselves as `BACKEND` (`getBackendName`), and `dist.new_group(backend=BACKEND)` makes one
 explicitly. Torch's own fake groups are served as before whenever the default group is not a
 simulated world's.
@@ -489,8 +491,11 @@ def init_simulated_world(world_size: int, network: Network, *, device: torch.dev
     _register_backends()
     kwargs = {"timeout": timeout} if timeout is not None else {}
     # The store only meets torch's own bookkeeping: a HashStore, in memory, as one process needs.
-    dist.init_process_group(dist.Backend.FAKE, store=dist.HashStore(), rank=0, world_size=world_size,
-                            pg_options=world, **kwargs)
+    # The group serves the world's device type (and the CPU, for object collectives) only, so that
+    # zeropp keeps shards on the device whose collectives are timed (runtime.topology.collective_device).
+    devices = ["cpu"] if world.device.type == "cpu" else ["cpu", world.device.type]
+    dist.init_process_group(",".join(f"{d}:{dist.Backend.FAKE}" for d in devices), store=dist.HashStore(), rank=0,
+                            world_size=world_size, pg_options=world, **kwargs)
     return world
 
 

@@ -138,10 +138,24 @@ def collective_device(backend_config: str) -> torch.device:
     runs on the CPU. `init_process_group()` without a backend, on a machine with GPUs, makes NCCL
     the GPU's backend without naming it in `dist.get_backend()`, which says "undefined".
     """
-    backends = dict(pair.split(":") for pair in backend_config.split(","))
+    backends = backends_by_device(backend_config)
     if torch.cuda.is_available() and backends.get("cuda", "gloo") != "gloo":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def backends_by_device(backend_config: str) -> dict[str, str]:
+    """{"cpu": "gloo", "cuda": "nccl"} of a group's backend config ("cpu:gloo,cuda:nccl")."""
+    return dict(pair.split(":") for pair in backend_config.split(","))
+
+
+def one_process_world(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether `group` (the default group by default) is a world of one process: rank 0 alone playing
+    every rank, over torch's fake backend (a dry run, `torch_compat.init_fake_process_group`) or the
+    simulated network's groups, which are served under that name for every device they time
+    (runtime.simulated_group). Its collectives agree with themselves, and it has no store that a
+    gloo group's members could meet at."""
+    return all(backend == "fake" for backend in backends_by_device(dist.get_backend_config(group)).values())
 
 
 def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: float) -> Topology:
@@ -168,9 +182,7 @@ def build_topology(ranks_per_node: int, hpz_partition_size: int, timeout_s: floa
     if hpz_partition_size:
         secondary, _ = my_group(secondary_groups(world_size, hpz_partition_size))
 
-    # torch's fake group (a dry run of one rank, `torch_compat.init_fake_process_group`) has no store
-    # that a gloo group's members could meet at; its own collectives agree with themselves.
-    agreement_backend = None if dist.get_backend() == "fake" else "gloo"
+    agreement_backend = None if one_process_world() else "gloo"  # no gloo group can form in one process
     agreement = dist.new_group(list(range(world_size)), timeout=timeout, backend=agreement_backend)
 
     device = collective_device(dist.get_backend_config())

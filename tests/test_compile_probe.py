@@ -84,3 +84,41 @@ def test_a_second_cold_launch_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--launches", "warm", "cold"])
     assert "'cold' can only be the first launch" in capsys.readouterr().err
+
+
+def test_a_simulated_worker_records_the_network_and_its_collectives_time(monkeypatch, tmp_path, capsys):
+    """One launch's worker in this process (FSDP2 run eagerly: compilation is not what is checked)
+    over a simulated world of 4 ranks in 2 nodes: its JSON keeps the model's parameters and the
+    collectives' modeled time per step, of which the host waited no more than was charged; the table
+    marks the run as simulated."""
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    out = tmp_path / "launch.json"
+    try:
+        compile_probe.main(["--worker", "--variant", "fsdp2", "--launch", "cold", "--out", str(out), "--layers", "1",
+                            "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "16", "--steps", "2",
+                            "--fake-world", "4", "--ranks-per-node", "2", "--simulate-network", "ib-100g",
+                            "--network-override", "inter_busbw_gbyte_per_s=0.01"])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    result = json.loads(out.read_text())
+    network = result["simulated_network"]
+    assert network["preset"] == "ib-100g" and network["ranks_per_node"] == 2
+    assert network["inter_busbw_gbyte_per_s"] == 0.01 and result["world"] == 4
+    assert network["comm_ms_per_step"] > 1.0  # the shards of 4 ranks over 10 MB/s between nodes
+    assert 0 <= network["exposed_ms_per_step"] <= network["comm_ms_per_step"] * 1.05 + 0.5
+    assert result["ms_per_step"] >= network["exposed_ms_per_step"]
+    table = compile_probe.table([{**result, "round": 0}])
+    assert table.startswith("SIMULATED network") and "net ms" in table and "exposed ms" in table
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--simulate-network", "ib-100g"], "give --fake-world N too"),
+    (["--fake-world", "8", "--ranks-per-node", "3"], "does not divide the world of 8 ranks"),
+    (["--fake-world", "8", "--simulate-network", "ib-100g", "--network-override", "speed=1"],
+     "unknown network override 'speed'"),
+])
+def test_simulated_network_options_are_clear_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err

@@ -19,6 +19,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from zpp_compile.runtime.network_model import collective_seconds, network_from_preset
+from zpp_compile.runtime.topology import one_process_world
 from zpp_compile.runtime.simulated_group import BACKEND, SimulatedGroup, SimulatedWorld, current_world, \
     init_simulated_world
 
@@ -48,7 +49,8 @@ def seconds_of(world: SimulatedWorld, group: dist.ProcessGroup, op: str) -> floa
 def test_every_group_of_the_world_is_simulated_with_its_own_members():
     with simulated() as world:
         assert current_world() is world and isinstance(dist.group.WORLD, SimulatedGroup)
-        assert dist.get_backend() == "fake"  # how zeropp tells a world of one process (module docstring)
+        assert one_process_world()  # how zeropp tells a world of one process (module docstring)
+        assert dist.get_backend_config() == "cpu:fake"  # only the device it times: zeropp's shards stay there
         inside, across = dist.new_group([0, 1]), dist.new_group([0, 2])
         explicit = dist.new_group([0, 3], backend=BACKEND)
         assert dist.new_group([1, 2]) is dist.GroupMember.NON_GROUP_MEMBER
