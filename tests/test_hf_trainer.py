@@ -173,6 +173,12 @@ def test_trainer_with_qwz_hpz_qgz_on_two_nodes_stays_near_the_reference(tmp_path
                                [loss for loss, _ in reference["history"]], rtol=1e-2, atol=0)
 
 
+def test_another_compile_backend_in_the_training_arguments_is_refused_with_the_fix(tmp_path):
+    args = arguments(str(tmp_path), 1, torch_compile=True, torch_compile_backend="aot_eager")
+    with pytest.raises(ConfigError, match=r"backend 'aot_eager'.*drop torch_compile_backend"):
+        ZeroppTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
+
+
 def test_deepspeed_json_configures_zeropp(tmp_path):
     """A DeepSpeed ZeRO++ config: its zero_optimization keys map over, "auto" and matching training
     settings pass, keys with no meaning here are named in one warning, other stages are errors."""

@@ -56,6 +56,7 @@ class ZeroppTrainerMixin:
 
     def __init__(self, *args: Any, zeropp: Config | Mapping[str, Any] | str | os.PathLike | None = None,
                  **kwargs: Any) -> None:
+        _check_compile_arguments(type(self).__name__, kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             other = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
@@ -79,14 +80,19 @@ class ZeroppTrainerMixin:
                     "which training would never update; pass no optimizer (the Trainer makes one from the shards), "
                     "or shard the model with zpp.shard before making the optimizer and the trainer"
                 )
-            zpp.shard(self.model, trainer_config(zeropp, self.args))
+            zpp.shard(self.model, self._zeropp_config(zeropp))
         self.model_wrapped = self.model
         self._zeropp_compiled: nn.Module | None = None
         self._zeropp_filters_losses = False  # set by train(): training_step then filters the logged losses
 
+    def _zeropp_config(self, zeropp: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
+        """The Config the model is sharded with (`trainer_config`); zpp_compile.launch adds its options."""
+        return trainer_config(zeropp, self.args)
+
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if self._zeropp_compiled is None:
-            self._zeropp_compiled = torch.compile(self.model, backend="zeropp")
+            mode = {"mode": self.args.torch_compile_mode} if self.args.torch_compile_mode else {}
+            self._zeropp_compiled = torch.compile(self.model, backend="zeropp", **mode)
         return self._zeropp_compiled
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -141,6 +147,17 @@ class ZeroppTrainerMixin:
 
 class ZeroppTrainer(ZeroppTrainerMixin, transformers.Trainer):
     """`transformers.Trainer` training the model sharded by zeropp (`ZeroppTrainerMixin`)."""
+
+
+def _check_compile_arguments(trainer: str, args: transformers.TrainingArguments | None) -> None:
+    """The model is compiled with the zeropp backend (in the mode `torch_compile_mode` names, if
+    any); TrainingArguments asking for another backend are refused rather than ignored."""
+    backend = getattr(args, "torch_compile_backend", None)
+    if getattr(args, "torch_compile", False) and backend not in (None, "inductor"):
+        raise ConfigError(
+            f"{trainer}: TrainingArguments ask torch.compile for backend {backend!r}, but {trainer} compiles the "
+            "model with backend=\"zeropp\" (Inductor, with zeropp's passes); drop torch_compile_backend "
+            "(torch_compile_mode is used, e.g. \"max-autotune-no-cudagraphs\")")
 
 
 def trainer_config(value: Config | Mapping[str, Any] | str | os.PathLike | None,
