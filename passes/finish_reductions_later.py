@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from ..runtime.collectives import COLLECTIVE_NAMESPACE, WAIT
@@ -39,6 +40,9 @@ def finish_reductions_later(graph: fx.Graph, ctx: PassContext) -> None:
     # Only `LocalShards` takes placeholders: the other outputs must be results when the graph returns.
     kept = {a for i, a in enumerate(output.args[0]) if isinstance(a, fx.Node) and i not in shards}
     tail = _tail(graph, output, kept)
+    # An item of a multi-output node computed before the tail (a coalesced collective's) enters
+    # the program as an input itself: a list is no argument of the op's.
+    tail -= {n for n in tail if n.target is operator.getitem and n.args[0] not in tail}
     if not tail:
         return
     nodes = sorted(tail)  # nodes compare by graph position
@@ -47,6 +51,8 @@ def finish_reductions_later(graph: fx.Graph, ctx: PassContext) -> None:
     values = [node.meta["val"] for node in results]
     if not inputs or any(not isinstance(size, int) for v in values for size in v.shape):
         return
+    if not all(isinstance(node.meta.get("val"), torch.Tensor) for node in inputs):
+        return  # an input the op cannot take (no tensor): the graph waits for its reductions itself
     program = program_source(inputs, nodes, results)
     if program is None:
         return

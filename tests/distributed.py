@@ -31,6 +31,7 @@ import itertools
 import os
 import queue
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -85,6 +86,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     return [outcome[r][1] for r in awaited]
 
 
+# The signals of a crash in native code (faulthandler's); a rank the harness kills gets SIGKILL.
+_NATIVE_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT}
 # Native crashes of ranks whose call passed when run again (`run_ranks`), for the session's summary.
 NATIVE_CRASHES: list[str] = []
 
@@ -168,16 +171,23 @@ class _Ranks:
         for calls in self.calls:
             calls.put(None)
         answered = set(answered)
+        died = {}  # rank: the signal that ended it before it was asked to stop
         for rank, p in enumerate(self.procs):
+            if not p.is_alive() and p.exitcode is not None and -p.exitcode in _NATIVE_CRASH_SIGNALS:
+                died[rank] = signal.Signals(-p.exitcode).name
             p.join(timeout=30 if rank in answered else 1)
             if p.is_alive():
                 p.kill()
                 p.join()
         self._crashes = {}
         for rank in range(self.world_size):
+            report = ""
             with contextlib.suppress(FileNotFoundError), open(self.crash_file(rank)) as f:
-                if (report := f.read()).strip():
-                    self._crashes[rank] = _crashing_thread(report)
+                report = f.read()
+            if report.strip():
+                self._crashes[rank] = _crashing_thread(report)
+            elif rank in died:
+                self._crashes[rank] = f"killed by {died[rank]} (faulthandler wrote nothing: its handler was replaced)"
         shutil.rmtree(self.crash_folder, ignore_errors=True)
 
     def crash_file(self, rank: int) -> str:
@@ -284,8 +294,10 @@ def _rank_main(rank, world_size, port, calls, results, crash_file) -> None:
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     # A rank that dies in native code says where, in its file (`_Ranks.crashes`); the file stays
-    # open for the process's life, as faulthandler needs.
-    faulthandler.enable(file=open(crash_file, "w"), all_threads=True)
+    # open for the process's life, as faulthandler needs. Enabled again before every call: torch's
+    # elastic error handler (its `record`, which some tested code runs) points faulthandler elsewhere.
+    crash_report = open(crash_file, "w")
+    faulthandler.enable(file=crash_report, all_threads=True)
     # What the rank starts with (torch, Inductor, the model libraries) lives as long as the rank.
     # Put out of the collector's reach, it is not walked again by every full collection
     # (zpp_compile.shard makes one, Python others as the heap grows): those walk only what the
@@ -302,6 +314,7 @@ def _rank_main(rank, world_size, port, calls, results, crash_file) -> None:
     seed = torch.initial_seed()
     while (call := calls.get()) is not None:
         call_id, fn, args = call
+        faulthandler.enable(file=crash_report, all_threads=True)
         _forget_compiled()
         torch.manual_seed(seed)
         try:

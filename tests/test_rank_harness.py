@@ -36,6 +36,24 @@ def test_a_rank_crashing_once_is_run_again_and_listed(tmp_path):
     assert "passed when run again on new processes" in listed[0]
 
 
+def faulthandler_elsewhere_then_segfault_on_rank_0(rank: int, world_size: int, marker: str) -> int:
+    """As `segfault_on_rank_0`, after pointing faulthandler away from the harness's file (as torch's
+    elastic error handler does) for a rank's later calls."""
+    import faulthandler
+
+    faulthandler.enable(file=open(os.devnull, "w"))
+    return segfault_on_rank_0(rank, world_size, marker)
+
+
+def test_a_crash_is_found_when_faulthandler_was_pointed_elsewhere(tmp_path):
+    crashes_before = len(distributed.NATIVE_CRASHES)
+    assert run_ranks(faulthandler_elsewhere_then_segfault_on_rank_0, 2, str(tmp_path / "crashed")) == [0, 1]
+    listed = distributed.NATIVE_CRASHES[crashes_before:]
+    del distributed.NATIVE_CRASHES[crashes_before:]
+    assert len(listed) == 1 and "rank 0 died in native code" in listed[0]
+    assert "killed by SIGSEGV" in listed[0], listed[0]
+
+
 def test_a_rank_crashing_every_time_fails_with_where_it_died():
     crashes_before = len(distributed.NATIVE_CRASHES)
     with pytest.raises(AssertionError, match="and again on new processes") as failure:
