@@ -15,6 +15,8 @@ dtypes, and the recompute tags the partitioner obeys.
 
 from __future__ import annotations
 
+import operator
+
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -651,6 +653,41 @@ def test_finish_reductions_later__a_layer_graphs_last_reductions_end_in_one_op_r
     around_layers = lowered()
     finish_reductions_later(around_layers, dataclasses.replace(one_layer, one_layer=False))
     assert len(calls(around_layers, FINISH_REDUCTIONS_LATER)) == 1
+
+
+def test_finish_reductions_later__an_item_of_a_collective_in_the_tail_enters_the_program_as_an_input():
+    """A reduction of two hops, the second a coalesced collective (a list of tensors): the
+    collective stays in the graph, its item is the op's input (a list is no argument of the op's)."""
+    graph = hand_written_lowering_graph()
+    lower_collectives(graph, context("backward", topology(0)))
+    output = next(iter(graph.find_nodes(op="output")))
+    output.meta[USER_VISIBLE_OUTPUTS] = [0, 1, 2]
+    (scatter,) = calls(graph, c10d.reduce_scatter_tensor.default)
+    (first_wait,) = [n for n in scatter.users if n.target is c10d.wait_tensor.default]
+    readers = list(first_wait.users)
+    with graph.inserting_after(first_wait):
+        hop = graph.call_function(c10d.all_reduce_coalesced.default, ([first_wait], "sum", WORLD))
+    hop.meta["val"] = [first_wait.meta["val"] * 1]
+    with graph.inserting_after(hop):
+        item = graph.call_function(operator.getitem, (hop, 0))
+    item.meta["val"] = hop.meta["val"][0]
+    with graph.inserting_after(item):
+        second_wait = graph.call_function(c10d.wait_tensor.default, (item,))
+    second_wait.meta["val"] = item.meta["val"]
+    for reader in readers:
+        reader.replace_input_with(first_wait, second_wait)
+    graph.lint()
+    one_layer = dataclasses.replace(context("backward", topology(0), compile_layers_once=True), one_layer=True,
+                                    shard_inputs=(3, (2,)))
+
+    finish_reductions_later(graph, one_layer)
+
+    (later,) = calls(graph, FINISH_REDUCTIONS_LATER)
+    inputs, program, _ = later.args
+    assert inputs == [item] and hop in graph.nodes and item in graph.nodes
+    summed = torch.arange(24.0)
+    torch.testing.assert_close(compiled_program(program)(summed), summed[:5] / 4)
+    graph.lint()
 
 
 def test_hierarchical_partition__a_group_of_one_keeps_the_whole_weight_and_backward_gathers_nothing():
