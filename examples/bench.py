@@ -92,7 +92,6 @@ variant alike.
 from __future__ import annotations
 
 import argparse
-import ast
 import gc
 import gzip
 import importlib
@@ -118,6 +117,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zpp_compile as zpp
 from zpp_compile import padding, text_table
+from zpp_compile.config import field_setting
 from zpp_compile.runtime.network_model import PRESETS, Network, network_from_preset
 from zpp_compile.runtime.simulated_group import COLLECTIVE_KERNEL, SimulatedWorld, init_simulated_world
 from zpp_compile.runtime.topology import world_received_bytes
@@ -202,18 +202,6 @@ def default_variants(on_gpu: bool, cuda_graphs: bool, deepspeed: bool = True) ->
             and (deepspeed or not n.startswith("deepspeed"))]
 
 
-def _option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    for parse in (json.loads, ast.literal_eval):  # JSON or Python: true and True alike
-        try:
-            return key, parse(value)
-        except (ValueError, SyntaxError):
-            pass
-    return key, value
-
-
 def variant_specs(text: str) -> list[str]:
     """--variants split at its commas outside brackets (a value may be a dict or a list)."""
     specs, depth, start = [], 0, 0
@@ -232,7 +220,7 @@ def variant_name(spec: str) -> str:
 
 def variant_options(spec: str) -> dict[str, Any]:
     """The zeropp Config fields a variant spec `NAME@KEY=VALUE@...` adds to its variant."""
-    return dict(_option(text) for text in spec.split("@")[1:])
+    return dict(field_setting(text) for text in spec.split("@")[1:])
 
 
 def variant_spec_error(spec: str, systems: dict[str, str]) -> str | None:
@@ -293,7 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="network model parameters replacing the preset's, e.g. inter_busbw_gbyte_per_s=20")
     p.add_argument("--compile-mode", choices=("inductor", "debug"), default="inductor",
                    help="debug: zeropp with inductor=False, FSDP2 blocks with backend='aot_eager'")
-    p.add_argument("--zpp-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--zpp-option", type=field_setting, action="append", default=[], metavar="KEY=VALUE",
                    help="a zeropp Config field for every zeropp variant, e.g. bucket_size=33554432 (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-bytes", type=int, default=8_000_000)

@@ -8,6 +8,8 @@ with a message naming the key, the value and what is allowed; values that depend
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import difflib
 import functools
@@ -404,3 +406,17 @@ def _is_int(value: Any) -> bool:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def field_setting(text: str) -> tuple[str, Any]:
+    """A Config field's setting as a command line gives it, KEY=VALUE: the value read as JSON, else
+    as a Python literal (true and True alike), else kept as text. For argparse's `type=`."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    for read in (json.loads, ast.literal_eval):
+        try:
+            return key, read(value)
+        except (ValueError, SyntaxError):
+            pass
+    return key, value

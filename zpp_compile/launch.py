@@ -24,16 +24,14 @@ What it does, and why (see docs/integrations.md):
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import json
 import os
 import runpy
 import sys
 import warnings
 from typing import Any, Sequence
 
-from .config import Config, ConfigError, read_json_object
+from .config import Config, ConfigError, field_setting, read_json_object
 
 PROGRAM = "python -m zpp_compile.launch"
 
@@ -54,7 +52,7 @@ def parse(argv: Sequence[str]) -> Launch:
     """The launch `argv` (this module's arguments, then the script and its own) describes."""
     p = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--zeropp-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--zeropp-option", type=field_setting, action="append", default=[], metavar="KEY=VALUE",
                    help="a zpp.Config field on top of the DeepSpeed config's, e.g. compile_layers_once=true")
     p.add_argument("-m", dest="module", action="store_true", help="run a module (as python -m), not a script")
     p.add_argument("target", metavar="SCRIPT", help="the training script (a module's name with -m)")
@@ -75,18 +73,6 @@ def parse(argv: Sequence[str]) -> Launch:
         except (OSError, ConfigError, ValueError) as error:
             p.error(f"--deepspeed {path}: {error}")
     return Launch(args.target, args.module, arguments, deepspeed, path, options)
-
-
-def _option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    for read in (json.loads, ast.literal_eval):  # JSON or Python: true and True alike
-        try:
-            return key, read(value)
-        except (ValueError, SyntaxError):
-            pass
-    return key, value
 
 
 def _without_deepspeed(p: argparse.ArgumentParser, arguments: list[str]) -> tuple[list[str], str | None]:
