@@ -152,3 +152,19 @@ def test_a_forgotten_backend_warns_once_with_the_fix():
     assert eager == zeropp == second == "", (eager, zeropp, second)
     assert "trains as plain ZeRO-3, with qwZ, hpZ and qgZ off" in first, first
     assert 'torch.compile(model, backend="zeropp")' in first, first
+
+
+def wrapped_in_ddp(rank: int, world_size: int) -> str:
+    """What wrapping a sharded model in DDP says (accelerate's prepare and a plain HF Trainer do it)."""
+    model = zpp.shard(nn.Sequential(nn.Linear(8, 8)).to(device()))
+    try:
+        torch.nn.parallel.DistributedDataParallel(model)
+    except zpp.ConfigError as error:
+        return str(error)
+    return ""
+
+
+def test_a_sharded_model_wrapped_in_ddp_is_refused_with_the_fix():
+    message = run_ranks(wrapped_in_ddp, 2)[0]
+    assert "DistributedDataParallel is wrapping a model sharded by zpp.shard" in message
+    assert "ZeroppTrainer instead of Trainer" in message

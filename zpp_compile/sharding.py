@@ -40,7 +40,7 @@ from .runtime.agreement import check_same_call
 from .runtime.prefetch import forget_calls
 from .runtime.registry import COMPILATION, REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
-from .torch_compat import TO_EMPTY_CONVERSION, ListedWithoutDynamoWalks
+from .torch_compat import TO_EMPTY_CONVERSION, ListedWithoutDynamoWalks, refuse_data_parallel
 
 
 def shard(
@@ -109,11 +109,19 @@ def shard(
         leaf_modules.attach(leaf)
     attach_to_model(model, scope)
     model.register_forward_pre_hook(_refuse_unsharded_trainable)
+    refuse_data_parallel(model, ConfigError(_WRAPPED_IN_DDP))
     model.register_forward_pre_hook(_check_initialized_before_forward)
     broadcast_buffers(model, topology)
     await_initialization([sharded.get(id(t), t) for t in meta_init.unset], state)
     REGISTRY.models[model] = state
     return model
+
+
+_WRAPPED_IN_DDP = (
+    "zeropp: DistributedDataParallel is wrapping a model sharded by zpp.shard (a plain HF Trainer and "
+    "accelerate's prepare(model) do this): its parameters are shards whose gradients zeropp reduces itself. "
+    "Train it unwrapped: ZeroppTrainer instead of Trainer (or python -m zpp_compile.launch), "
+    "accelerator.prepare(optimizer, dataloader) without the model, or the model itself in your own loop")
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -348,3 +348,21 @@ def gpu_spin(cycles: int) -> None:
     collective last its modeled time on the communication stream. torch's `_sleep` is private
     (its own tests use it for the same purpose)."""
     torch.cuda._sleep(int(cycles))
+
+
+class _RefusedDataParallel:
+    """Stands where DistributedDataParallel reads the parameters it should leave alone
+    (`_ddp_params_and_buffers_to_ignore`, which DDP's `_set_params_and_buffers_to_ignore_for_model`
+    sets and its constructor reads first): read there, it raises `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __iter__(self):
+        raise self.error
+
+
+def refuse_data_parallel(module: torch.nn.Module, error: Exception) -> None:
+    """Wrapping `module` in DistributedDataParallel raises `error`, before DDP touches a parameter
+    (it would fail later, inside a broadcast of its parameters, far from the cause)."""
+    module._ddp_params_and_buffers_to_ignore = _RefusedDataParallel(error)
