@@ -215,3 +215,15 @@ def test_lightning_trainer_matches_the_unsharded_trainer_and_resumes_bit_identic
     for rank in range(2):
         assert torch.equal(resumed[rank]["losses"], straight[rank]["losses"][SAVE_AT * MICRO_BATCHES:])
     assert_same_state(resumed[0]["state"], straight[0]["state"], rtol=0, atol=0)
+
+
+def test_lightning_takes_the_strategy_by_name():
+    """After `import zpp_compile.integrations.lightning`, strategy="zeropp" in Fabric and the Trainer."""
+    import lightning as L
+
+    from zpp_compile.integrations.lightning import ZeroppStrategy, ZeroppTrainerStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="zeropp")
+    assert type(fabric.strategy) is ZeroppStrategy and fabric.strategy.zeropp_config == zpp.Config()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zeropp", logger=False, enable_checkpointing=False)
+    assert type(trainer.strategy) is ZeroppTrainerStrategy

@@ -279,3 +279,21 @@ def _load_full_state_dict_file(path: Path, model: nn.Module, strict: bool) -> No
                          "for a zeropp checkpoint directory pass state={'model': model}")
     state_dict = torch.load(path, mmap=True, map_location="cpu", weights_only=True) if dist.get_rank() == 0 else None
     zpp.load_full_state_dict(model, state_dict, from_rank=0, strict=strict)
+
+
+STRATEGY_NAME = "zeropp"
+
+
+def _register_by_name() -> None:
+    """`strategy="zeropp"` names `ZeroppStrategy` in Fabric and `ZeroppTrainerStrategy` in the
+    Trainer (with their defaults: zeropp's default Config), as Lightning's registries name its own."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    STRATEGY_REGISTRY.register(STRATEGY_NAME, ZeroppStrategy, override=True,
+                               description="zeropp: ZeRO++ sharding compiled by the zeropp backend")
+    StrategyRegistry.register(STRATEGY_NAME, ZeroppTrainerStrategy, override=True,
+                              description="zeropp: configure_model() shards with zpp.shard")
+
+
+_register_by_name()
