@@ -364,10 +364,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# What the forkserver imports once for every rank it forks: the harness (torch, zpp_compile,
-# Inductor) and the model libraries that test modules import. It starts at the first rank, with the
-# environment this module saw when imported (after conftest's settings).
-SERVER_PRELOAD = ["distributed", "transformers", "transformers.models.llama.modeling_llama", "peft",
-                  "lightning.fabric", "torchtitan.models.llama3"]
+# What the forkserver imports once for every rank it forks: the harness (torch, zpp_compile's
+# exports, which the package itself loads only at their first use, Inductor) and the model libraries
+# that test modules import. It starts at the first rank, with the environment this module saw when
+# imported (after conftest's settings).
+SERVER_PRELOAD = ["distributed", "zpp_compile._api", "transformers", "transformers.models.llama.modeling_llama",
+                  "peft", "lightning.fabric", "torchtitan.models.llama3"]
 mp.set_forkserver_preload(SERVER_PRELOAD)
 _SERVER_ENVIRON = _environ()

@@ -16,3 +16,23 @@ def test_version_is_the_projects():
 def test_the_package_is_marked_typed():
     assert (Path(zpp_compile.__file__).parent / "py.typed").is_file()
     assert 'zpp_compile = ["py.typed"]' in (Path(__file__).parents[1] / "pyproject.toml").read_text()
+
+
+def test_the_command_line_help_loads_no_torch():
+    """`zeropp --help` answers without importing torch (seconds otherwise): the package loads its
+    exports at their first use, and each command its own modules."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom zpp_compile import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+              "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Inspect what the zeropp compiler does" in done.stdout
+
+
+def test_the_exports_load_at_their_first_use():
+    import zpp_compile as zpp
+
+    assert set(zpp.__all__) <= set(dir(zpp))
+    assert zpp.shard.__module__ == "zpp_compile.sharding" and zpp.Config.__name__ == "Config"

@@ -2,67 +2,19 @@
 
     model = zpp_compile.shard(model, zpp_compile.Config(quantized_weights=True, ...))
     step_model = torch.compile(model, backend="zeropp")
+
+The names below come from `zpp_compile._api`, loaded at the first use of any of them (PEP 562):
+`import zpp_compile` alone loads no torch, so the `zeropp` command's help answers at once.
 """
 
-import warnings
+import importlib
 from importlib import metadata
-
-import torch
-from torch import nn
-
-from .config import Config, ConfigError
-from .runtime.agreement import RankMismatchError
-from .runtime.cuda_graphs import release_cuda_graphs
-from .ledger import CommReport
-from .runtime.registry import COMPILATION, REGISTRY
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .grad_sync import no_sync, set_requires_gradient_sync
-from .initialization import load_full_state_dict
-from .layer_graphs import layer_runs
-from .sharding import full_state_dict, shard
-from .torch_compat import unsupported_torch_warning
+from typing import Any
 
 try:
     __version__ = metadata.version("zeropp")
 except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
-
-if (_warning := unsupported_torch_warning(torch.__version__)) is not None:
-    warnings.warn(_warning, stacklevel=2)  # once per process, at import: where the user chose the torch
-
-
-def step_comm_bytes() -> tuple[int, int]:
-    """(intra-node, inter-node) bytes this rank receives per training step, read from the
-    compiled graphs (nothing is measured at run time)."""
-    report = comm_report()
-    return report.intra_bytes, report.inter_bytes
-
-
-def secondary_copy_bytes() -> int:
-    """Bytes of hpZ secondary copies this rank holds from forward to backward, per step."""
-    return comm_report().secondary_bytes
-
-
-def comm_report(model: nn.Module | None = None) -> CommReport:
-    """The collectives of one training step on this rank, from the compiled graphs, against plain
-    ZeRO-3 in bf16 for the same sharded parameters and topology (`.table()`, `.to_dict()`).
-
-    Every sharded model's graphs count unless `model` (a model given to `shard`) picks one; of a
-    step Dynamo recompiled (a new sequence length, say), only the latest graphs count."""
-    graphs = COMPILATION.ledger
-    if model is not None:
-        if model not in REGISTRY.models:
-            raise ValueError(f"comm_report(model): {type(model).__name__} was not sharded by zpp_compile.shard")
-        sharding_id = REGISTRY.sharding_id(model)
-        graphs = [g for g in graphs if g.model is not None and g.model.sharding_id == sharding_id]
-    return CommReport.from_graphs(graphs, layer_runs())
-
-
-def reset_comm_report() -> None:
-    """Forgets the graphs compiled so far: `comm_report()` then reports only graphs compiled after
-    this call (e.g. between benchmark variants that share a process)."""
-    COMPILATION.ledger.clear()
-
 
 __all__ = [
     "__version__", "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
@@ -70,3 +22,23 @@ __all__ = [
     "release_cuda_graphs", "save_checkpoint", "load_checkpoint", "CheckpointError", "load_full_state_dict",
     "RankMismatchError", "reset_comm_report",
 ]
+
+
+# What `_api` gives besides the exports: the compilation and sharding registries (tests read them).
+_ALSO_FROM_API = ("COMPILATION", "REGISTRY")
+
+
+def __getattr__(name: str) -> Any:
+    """An export (or `_ALSO_FROM_API`), from `_api`, loaded at the first use of one. Any other name
+    is no attribute, so that `from zpp_compile import cli` imports that submodule alone."""
+    if name not in __all__ and name not in _ALSO_FROM_API:
+        raise AttributeError(f"module 'zpp_compile' has no attribute {name!r}")
+    # import_module finds a module being imported in sys.modules; `from . import _api` would ask the
+    # package for the attribute, which is this function, again.
+    value = getattr(importlib.import_module("zpp_compile._api"), name)
+    globals()[name] = value  # later reads find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -23,16 +23,17 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, NoReturn
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from . import text_table
-from .config import DISABLE_PASSES_ENV, DUMP_DIR_ENV, Config, ConfigError
-from .dump import LAYER_RUNS, read_layer_runs, read_pass_summary
-from .explain import predict
-from .passes import PASSES
-from .ledger import CommReport, GraphComm
+from .environment import DISABLE_PASSES_ENV, DUMP_DIR_ENV
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import Config
+
+# Each command imports what it needs (torch among it) when it runs: `zeropp --help` loads none of it.
 
 
 class UsageError(Exception):
@@ -43,12 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (UsageError, ConfigError) as error:
-        print(f"zeropp {args.command}: error: {error}", file=sys.stderr)
-        return 1
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stdout = open(os.devnull, "w")
         return 0
+    except Exception as error:
+        from .config import ConfigError
+
+        if not isinstance(error, (UsageError, ConfigError)):
+            raise
+        print(f"zeropp {args.command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _passes(args: argparse.Namespace) -> int:
+    from .passes import PASSES
+
     print(text_table.render(None, [(p.name, f"[{p.stage}]", p.summary) for p in PASSES], width=_width(args)))
     return 0
 
@@ -111,6 +118,8 @@ def _width(args: argparse.Namespace) -> int | None:
 
 
 def _dump(args: argparse.Namespace) -> int:
+    from .passes import PASSES
+
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         raise UsageError("no script given; usage: zeropp dump [--out DIR] SCRIPT [ARGS...]")
@@ -145,6 +154,9 @@ def _dump(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from .dump import LAYER_RUNS, read_layer_runs, read_pass_summary
+    from .ledger import CommReport, GraphComm
+
     folder = _rank_folder(Path(args.dir), args.rank)
     graphs = _read_dump(sorted(folder.glob("*.comm.json"), key=_compile_order), GraphComm.from_dict)
     summaries = _read_dump(sorted(folder.glob("*.summary.json"), key=_compile_order), read_pass_summary)
@@ -215,6 +227,9 @@ def _pass_table(summaries: list[dict[str, Any]], width: int | None) -> str:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    from .config import Config, ConfigError
+    from .explain import predict
+
     config = Config.from_json(args.config)
     try:
         stored = Config(param_dtype=args.stored_dtype).param_dtype

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .environment import DISABLE_PASSES_ENV, DUMP_DIR_ENV
 from .torch_compat import inductor_config
 
 _DTYPE_NAMES = {
@@ -38,9 +39,7 @@ _DTYPE_NAMES = {
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
-# Environment switches read at compile time (see `Config.with_environment`).
-DUMP_DIR_ENV = "ZEROPP_DUMP_DIR"
-DISABLE_PASSES_ENV = "ZEROPP_DISABLE_PASSES"
+# DUMP_DIR_ENV, DISABLE_PASSES_ENV: switches read at compile time (see `Config.with_environment`).
 
 # DeepSpeed's "zero_optimization" names -> ours. hpZ partition size 1 means "off" in DeepSpeed;
 # here 1 means "a full copy on every rank", so the value is translated too (see `from_dict`).
