@@ -23,6 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zpp_compile import torch_compat as tc
+from zpp_compile.supported_torch import unsupported_torch_warning
 from zpp_compile.backend import _StageHook
 from zpp_compile.runtime.collectives import ALL_GATHERS
 
@@ -441,9 +442,9 @@ def test_private_torch_apis_are_reached_only_through_torch_compat():
 
 def test_a_torch_outside_the_supported_range_is_named_with_the_range():
     for inside in ("2.13.0", "2.13.0+cpu", "2.14.1", "2.15.0+cu128"):
-        assert tc.unsupported_torch_warning(inside) is None, inside
+        assert unsupported_torch_warning(inside) is None, inside
     for outside in ("2.11.0", "2.12.1+cu126", "2.16.0.dev20261201"):
-        message = tc.unsupported_torch_warning(outside)
+        message = unsupported_torch_warning(outside)
         assert message and f"this is torch {outside}" in message and "supports torch 2.13 to 2.15" in message
         assert 'pip install "torch>=2.13,<2.16"' in message, message
     # The range is pyproject.toml's requirement.

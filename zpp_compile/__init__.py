@@ -8,13 +8,23 @@ The names below come from `zpp_compile._api`, loaded at the first use of any of 
 """
 
 import importlib
+import warnings
 from importlib import metadata
 from typing import Any
+
+from .supported_torch import unsupported_torch_warning
 
 try:
     __version__ = metadata.version("zeropp")
 except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
+
+try:
+    _torch = metadata.version("torch")
+except metadata.PackageNotFoundError:  # a torch without metadata (built in place): nothing to compare
+    _torch = None
+if _torch is not None and (_warning := unsupported_torch_warning(_torch)) is not None:
+    warnings.warn(_warning, stacklevel=2)  # once per process, at import: where the user chose the torch
 
 __all__ = [
     "__version__", "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",

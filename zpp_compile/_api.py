@@ -1,9 +1,7 @@
 """What `zpp_compile` exports, loaded at the first use of any of it (the package's `__getattr__`):
 importing the package alone loads no torch, so `zeropp --help` answers at once."""
 
-import warnings
 
-import torch
 from torch import nn
 
 from .config import Config, ConfigError
@@ -16,10 +14,7 @@ from .grad_sync import no_sync, set_requires_gradient_sync
 from .initialization import load_full_state_dict
 from .layer_graphs import layer_runs
 from .sharding import full_state_dict, shard
-from .torch_compat import unsupported_torch_warning
 
-if (_warning := unsupported_torch_warning(torch.__version__)) is not None:
-    warnings.warn(_warning, stacklevel=3)  # once per process, at the first use: the user's line
 
 
 def step_comm_bytes() -> tuple[int, int]:

@@ -7,7 +7,7 @@ All of it is reached through this module, each name with why, so that a torch up
 one breaks here, by name, and `tests/test_torch_compat.py` (seconds, no process group) says which.
 Where torch's behaviour differs between the versions zeropp runs on, a feature check below asks
 the installed torch what it does; nothing compares version strings, except the warning at import
-for a torch outside the supported range (`SUPPORTED_TORCH`).
+for a torch outside the supported range (`zpp_compile.supported_torch`).
 
 Graph node meta keys read or written by the passes: "val" (the fake value of a node, FX's
 convention that every torch graph pass relies on), and those torch gives meaning to, named here:
@@ -225,22 +225,6 @@ def node_module_stack(node: fx.Node) -> dict[str, Any] | None:
     """The module stack Dynamo recorded for a node (forward), or the one AOTAutograd copied to its
     backward counterpart."""
     return node.meta.get(NN_MODULE_STACK) or node.meta.get(FWD_NN_MODULE_STACK)
-
-
-# The torch releases zeropp supports, first and last (pyproject.toml's requirement; CI tests both).
-SUPPORTED_TORCH = ((2, 13), (2, 15))
-
-
-def unsupported_torch_warning(version: str) -> str | None:
-    """What to tell a user running torch `version` outside SUPPORTED_TORCH; None inside it. The one
-    place a version string is read: the range is a promise about releases, not a feature check."""
-    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    (first, last) = SUPPORTED_TORCH
-    if first <= release <= last:
-        return None
-    return (f"zeropp supports torch {first[0]}.{first[1]} to {last[0]}.{last[1]}; this is torch {version}, on which "
-            f"its passes may fail or, worse, change silently. Install a supported release: "
-            f"pip install \"torch>={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}\"")
 
 
 def default_store() -> dist.Store:
