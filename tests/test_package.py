@@ -36,3 +36,20 @@ def test_the_exports_load_at_their_first_use():
 
     assert set(zpp.__all__) <= set(dir(zpp))
     assert zpp.shard.__module__ == "zpp_compile.sharding" and zpp.Config.__name__ == "Config"
+
+
+def test_a_torch_outside_the_range_is_warned_about_at_import_without_importing_it():
+    import subprocess
+    import sys
+
+    script = ("import importlib.metadata as m, sys, warnings\n"
+              "real = m.version\n"
+              "m.version = lambda name: '2.11.0+cu130' if name == 'torch' else real(name)\n"
+              "with warnings.catch_warnings(record=True) as seen:\n"
+              "    warnings.simplefilter('always')\n"
+              "    import zpp_compile\n"
+              "assert 'torch' not in sys.modules\n"
+              "print([str(w.message) for w in seen])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "zeropp supports torch 2.13 to 2.15; this is torch 2.11.0+cu130" in done.stdout
