@@ -52,10 +52,10 @@ def checkpoint_activations(graph: fx.Graph, ctx: PassContext) -> None:
     layer goes through an alias, so that the partitioner's common-subexpression elimination cannot
     fold the copies back into the originals. Copies rather than recompute tags on the layer's own
     nodes, for two reasons: a recompute tag on an op that may draw random numbers makes the
-    partitioner pass RNG state from forward to backward, which torch 2.13 gets wrong with DTensor
-    parameters (attention is such an op even at dropout 0); and hpZ must point recomputed matrix
-    products at its secondary copy instead of a gather across nodes, which it can do only to nodes
-    of backward (it takes the copies, marked RECOMPUTED, for such).
+    partitioner pass RNG state from forward to backward, which torch's partitioner gets wrong with
+    DTensor parameters (attention is such an op even at dropout 0); and hpZ must point recomputed
+    matrix products at its secondary copy instead of a gather across nodes, which it can do only to
+    nodes of backward (it takes the copies, marked RECOMPUTED, for such).
     """
     backward = backward_nodes(graph)
     gathers = nodes_calling(graph, torch.ops.zpp.all_gather_param.default)

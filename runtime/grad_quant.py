@@ -76,7 +76,7 @@ __all__ = [
 # each, as many per SM as the best sweep of 4-warp programs had warps, without a tile's blocks
 # split over warps (grad_quant_kernels.py). l2_prefetch: whether a program asks L2 for the tile after
 # the one in its registers (it pays with INT4 sources, not with INT8). Chosen by sweeps of
-# examples/bench_grad_kernels.py on an H200; the figures are in docs/performance.md ("Kernel design:
+# examples/bench_grad_kernels.py; the GPU and the figures are in docs/performance.md ("Kernel design:
 # what was measured").
 TUNING = {
     "quantize": {4: dict(tile_elems=8192, num_warps=4, octets=2),

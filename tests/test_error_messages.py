@@ -154,17 +154,20 @@ def test_a_forgotten_backend_warns_once_with_the_fix():
     assert 'torch.compile(model, backend="zeropp")' in first, first
 
 
-def wrapped_in_ddp(rank: int, world_size: int) -> str:
-    """What wrapping a sharded model in DDP says (accelerate's prepare and a plain HF Trainer do it)."""
+def wrapped_in_ddp(rank: int, world_size: int) -> tuple[str, bool, bool]:
+    """What wrapping a sharded model in DDP says (accelerate's prepare and a plain HF Trainer do it),
+    and whether zpp.is_sharded tells the sharded model from a plain one."""
     model = zpp.shard(nn.Sequential(nn.Linear(8, 8)).to(device()))
+    sharded, plain = zpp.is_sharded(model), zpp.is_sharded(nn.Linear(8, 8))
     try:
         torch.nn.parallel.DistributedDataParallel(model)
     except zpp.ConfigError as error:
-        return str(error)
-    return ""
+        return str(error), sharded, plain
+    return "", sharded, plain
 
 
 def test_a_sharded_model_wrapped_in_ddp_is_refused_with_the_fix():
-    message = run_ranks(wrapped_in_ddp, 2)[0]
+    message, sharded, plain = run_ranks(wrapped_in_ddp, 2)[0]
+    assert sharded and not plain
     assert "DistributedDataParallel is wrapping a model sharded by zpp.shard" in message
     assert "ZeroppTrainer instead of Trainer" in message

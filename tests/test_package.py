@@ -33,8 +33,11 @@ def test_the_command_line_help_loads_no_torch():
 
 def test_the_exports_load_at_their_first_use():
     import zpp_compile as zpp
+    from zpp_compile import _api
 
     assert set(zpp.__all__) <= set(dir(zpp))
+    assert [name for name in zpp.__all__ if name != "__version__"] == _api.__all__
+    assert all(getattr(zpp, name) is getattr(_api, name) for name in _api.__all__)
     assert zpp.shard.__module__ == "zpp_compile.sharding" and zpp.Config.__name__ == "Config"
 
 

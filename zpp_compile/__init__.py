@@ -27,7 +27,7 @@ if _torch is not None and (_warning := unsupported_torch_warning(_torch)) is not
     warnings.warn(_warning, stacklevel=2)  # once per process, at import: where the user chose the torch
 
 __all__ = [
-    "__version__", "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
+    "__version__", "Config", "ConfigError", "CommReport", "shard", "is_sharded", "full_state_dict", "step_comm_bytes",
     "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
     "release_cuda_graphs", "save_checkpoint", "load_checkpoint", "CheckpointError", "load_full_state_dict",
     "RankMismatchError", "reset_comm_report",

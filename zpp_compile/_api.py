@@ -17,6 +17,11 @@ from .sharding import full_state_dict, shard
 
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` was sharded by `shard`, or holds a model that was (a PEFT wrapper around one)."""
+    return REGISTRY.state_of(model) is not None
+
+
 def step_comm_bytes() -> tuple[int, int]:
     """(intra-node, inter-node) bytes this rank receives per training step, read from the
     compiled graphs (nothing is measured at run time)."""
@@ -50,8 +55,8 @@ def reset_comm_report() -> None:
     COMPILATION.ledger.clear()
 
 
-__all__ = [
-    "Config", "ConfigError", "CommReport", "shard", "full_state_dict", "step_comm_bytes",
+__all__ = [  # the package's own list less __version__ (tests/test_package.py checks they agree)
+    "Config", "ConfigError", "CommReport", "shard", "is_sharded", "full_state_dict", "step_comm_bytes",
     "secondary_copy_bytes", "comm_report", "set_requires_gradient_sync", "no_sync",
     "release_cuda_graphs", "save_checkpoint", "load_checkpoint", "CheckpointError", "load_full_state_dict",
     "RankMismatchError", "reset_comm_report",

@@ -64,7 +64,6 @@ from torch.distributed.tensor import DTensor
 import zpp_compile as zpp
 
 from ..config import Config, ConfigError
-from ..runtime.registry import REGISTRY
 from . import CHECKPOINT_FOLDER, checkpoint_folder
 
 METADATA_FILE = "meta.pt"  # everything else, as Lightning's ModelParallelStrategy names it
@@ -177,7 +176,7 @@ class ZeroppTrainerStrategy(TrainerModelParallelStrategy):
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
-        if REGISTRY.state_of(self.lightning_module) is None:
+        if not zpp.is_sharded(self.lightning_module):
             raise ConfigError(
                 f"ZeroppTrainerStrategy: {type(self.lightning_module).__name__} holds no model sharded by zeropp; "
                 "shard it in configure_model(): `zpp.shard(self.model, config)`, then "
@@ -243,7 +242,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, fix: str) -> None:
 
 def _split_state(state: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]:
     """The sharded model, its optimizer (or None) and the rest of `state`."""
-    models = [key for key, value in state.items() if isinstance(value, nn.Module) and REGISTRY.state_of(value)]
+    models = [key for key, value in state.items() if isinstance(value, nn.Module) and zpp.is_sharded(value)]
     optimizers = [key for key, value in state.items() if isinstance(value, torch.optim.Optimizer)]
     if len(models) != 1:
         raise ValueError(f"ZeroppStrategy checkpoints hold one model sharded by zeropp; state has {len(models)} "
@@ -270,7 +269,7 @@ def _state_of(value: Any) -> Any:
 
 def _load_full_state_dict_file(path: Path, model: nn.Module, strict: bool) -> None:
     """An unsharded state dict saved with torch.save, read by rank 0 and sent to the shards."""
-    if REGISTRY.state_of(model) is None:
+    if not zpp.is_sharded(model):
         raise ValueError(f"ZeroppStrategy.load_checkpoint: {type(model).__name__} is not sharded by zeropp; set it "
                          "up with fabric.setup_module first")
     if not path.is_file():

@@ -43,7 +43,6 @@ import zpp_compile as zpp
 
 from ..config import Config, ConfigError, read_json_object
 from ..deepspeed_json import from_deepspeed, is_deepspeed_config, training_settings
-from ..runtime.registry import REGISTRY
 from . import CHECKPOINT_FOLDER, checkpoint_folder
 
 SCHEDULER_FILE = "scheduler.pt"  # the name the Trainer saves and reads its scheduler under
@@ -69,7 +68,7 @@ class ZeroppTrainerMixin:
                 f"{type(self).__name__}: model_init builds a new model in every train() call, which would train "
                 "unsharded next to the sharded one; pass model=... (built, or loaded with from_pretrained) instead"
             )
-        if REGISTRY.state_of(self.model) is not None:
+        if zpp.is_sharded(self.model):
             if zeropp is not None:
                 raise ConfigError(f"{type(self).__name__}: the model is already sharded by zpp.shard; pass no "
                                   "zeropp=... config (the one it was sharded with holds)")
