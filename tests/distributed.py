@@ -294,8 +294,9 @@ def _rank_main(rank, world_size, port, calls, results, crash_file) -> None:
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     # A rank that dies in native code says where, in its file (`_Ranks.crashes`); the file stays
-    # open for the process's life, as faulthandler needs. Enabled again before every call: torch's
-    # elastic error handler (its `record`, which some tested code runs) points faulthandler elsewhere.
+    # open for the process's life, as faulthandler needs. Installed again before every call: torch's
+    # elastic error handler (its `record`, which some tested code runs) points faulthandler elsewhere,
+    # and a library's own handler of the crash signals may replace it.
     crash_report = open(crash_file, "w")
     faulthandler.enable(file=crash_report, all_threads=True)
     # What the rank starts with (torch, Inductor, the model libraries) lives as long as the rank.
@@ -314,6 +315,7 @@ def _rank_main(rank, world_size, port, calls, results, crash_file) -> None:
     seed = torch.initial_seed()
     while (call := calls.get()) is not None:
         call_id, fn, args = call
+        faulthandler.disable()  # enable alone keeps whatever signal handler replaced faulthandler's
         faulthandler.enable(file=crash_report, all_threads=True)
         _forget_compiled()
         torch.manual_seed(seed)

@@ -32,7 +32,9 @@ def test_a_rank_crashing_once_is_run_again_and_listed(tmp_path):
     del distributed.NATIVE_CRASHES[crashes_before:]  # made on purpose: not for the session's summary
     assert len(listed) == 1
     assert "rank 0 died in native code while running segfault_on_rank_0" in listed[0]
-    assert "Segmentation fault" in listed[0] and "in segfault_on_rank_0" in listed[0], listed[0]
+    # Where it died: faulthandler's stack, or (a library replaced its handler) the signal.
+    assert ("Segmentation fault" in listed[0] and "in segfault_on_rank_0" in listed[0]
+            or "killed by SIGSEGV" in listed[0]), listed[0]
     assert "passed when run again on new processes" in listed[0]
 
 
@@ -58,6 +60,5 @@ def test_a_rank_crashing_every_time_fails_with_where_it_died():
     crashes_before = len(distributed.NATIVE_CRASHES)
     with pytest.raises(AssertionError, match="and again on new processes") as failure:
         run_ranks(segfault_on_rank_0, 2, None)
-    assert str(failure.value).count("Segmentation fault") == 2
-    assert "in segfault_on_rank_0" in str(failure.value)
+    assert str(failure.value).count("Segmentation fault") + str(failure.value).count("killed by SIGSEGV") == 2
     assert len(distributed.NATIVE_CRASHES) == crashes_before
