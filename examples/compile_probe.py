@@ -65,11 +65,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from bench import (LLAMA_SHAPES, LlamaShape, llama, variant_name,  # examples/bench.py (this script's folder)
-                   variant_options, variant_spec_error)
+from bench import (LLAMA_SHAPES, LlamaShape, join_simulated_world, llama,  # examples/bench.py (this folder)
+                   variant_name, variant_options, variant_spec_error)
 from zpp_compile import text_table
 from zpp_compile.runtime.network_model import PRESETS, Network, network_from_preset
-from zpp_compile.runtime.simulated_group import init_simulated_world
 
 # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one.
 SHAPES = {"small": LlamaShape(1024, 128, 16, 4, 2, 352, True),
@@ -220,9 +219,7 @@ def worker(args: argparse.Namespace) -> None:
 
     simulated = None
     if args.simulate_network:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)
-        simulated = init_simulated_world(args.fake_world, simulated_network(args))
+        simulated = join_simulated_world(args.fake_world, simulated_network(args))
         device = simulated.device
     else:
         device = join_fake_world(args.fake_world) if args.fake_world else init_distributed()
