@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -12,10 +13,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..runtime.ops import gather_param_args
 from ..runtime.programs import PROGRAM_NAMES
-from ..runtime.registry import COMPILATION
 from ..torch_compat import OpOverload, detect_fake_mode, node_module_stack, select_decomp_table
 
 _ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]")  # the compiled function's argument: L['self']
+# `insert_traced`'s traces by call, by the fake mode of the compilation they serve (weakly: they go
+# with it): this module's own.
+_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def nodes_calling(graph: fx.Graph, op: Any) -> list[fx.Node]:
@@ -45,7 +48,7 @@ def insert_traced(graph: fx.Graph, before: fx.Node, fn: Callable[..., torch.Tens
     tensor_args = [a for a in args if isinstance(a, fx.Node)]
     values = [a.meta["val"] for a in tensor_args]
     fake_mode = detect_fake_mode(values)
-    traces = COMPILATION.traces.setdefault(fake_mode, {}) if fake_mode is not None else {}
+    traces = _TRACES.setdefault(fake_mode, {}) if fake_mode is not None else {}
     key = _trace_key(fn, args, values)
     traced = traces.get(key) if key is not None else None
     if traced is None:

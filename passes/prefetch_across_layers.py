@@ -43,11 +43,13 @@ def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
     if program is None:
         return
     value = wait.meta["val"]
+    # The gather's own group, which the ledger counts it over: backward's gathers hpZ's copies
+    # inside the node, not over the world.
+    _, group_size, group_name = collective.args[:3]
     with graph.inserting_before(wait):
         prefetched = graph.call_function(
-            GATHER_PREFETCHED,
-            (inputs, program, value.numel(), value.dtype, ctx.kind == "backward", ctx.topology.world.size,
-             ctx.topology.world.name),
+            GATHER_PREFETCHED, (inputs, program, value.numel(), value.dtype, ctx.kind == "backward", group_size,
+                                group_name),
         )
     prefetched.meta["val"] = value
     wait.replace_all_uses_with(prefetched)

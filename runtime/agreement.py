@@ -39,7 +39,7 @@ import torch.fx as fx
 from ..torch_compat import EXAMPLE_VALUE, default_store
 
 from .ops import gather_param_args
-from .registry import COMPILATION, ShardingState
+from .registry import ShardingState
 from .topology import Topology, one_process_world
 
 
@@ -51,6 +51,9 @@ from .topology import Topology, one_process_world
 # skew of ranks in step with each other, and early against the default timeout; the quarter keeps
 # the warning well ahead of the error under a timeout made short.
 _GRACE_S = 30.0
+
+# The gather schedules this process's ranks agreed on, as (sharding ids, digest): this module's own.
+_AGREED: set[tuple[frozenset[int], str]] = set()
 
 
 class RankMismatchError(RuntimeError):
@@ -68,12 +71,12 @@ def check_same_gathers(gm: fx.GraphModule, state: ShardingState, config: Any, gr
     options = {k: v for k, v in config.to_dict().items() if v != sharded[k] and k != "dump_dir"}
     schedule, sharding_ids = gather_schedule(gm, topology, options)
     digest = hashlib.sha256("\n".join(schedule).encode()).hexdigest()
-    if topology.world_size == 1 or (sharding_ids, digest) in COMPILATION.agreed_schedules:
+    if topology.world_size == 1 or (sharding_ids, digest) in _AGREED:
         return
     gathers = len(schedule) - bool(options)
     _agree(topology, f"compiled graph {graph_name} ({gathers} parameter gather{'s' * (gathers != 1)})",
            digest, schedule)
-    COMPILATION.agreed_schedules.add((sharding_ids, digest))
+    _AGREED.add((sharding_ids, digest))
 
 
 def gather_schedule(

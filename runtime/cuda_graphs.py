@@ -19,6 +19,7 @@ without graphs. zeropp adds three things around each graph Inductor compiles for
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -29,9 +30,6 @@ import torch
 import torch.fx as fx
 
 from ..torch_compat import INNER_COMPILE_CUDAGRAPHS, INNER_COMPILE_IS_BACKWARD, USER_VISIBLE_OUTPUTS, compile_fx_inner
-from .registry import COMPILATION
-
-
 class CallWatch:
     """Ends the process when a graph's call has not finished on the GPU within its timeout."""
 
@@ -63,6 +61,12 @@ class CallWatch:
                 os._exit(1)
 
 
+@functools.cache
+def _call_watch() -> CallWatch:
+    """The process's one watch, made by the first graphed compilation."""
+    return CallWatch()
+
+
 class GraphedCallable:
     """A compiled graph (boxed calling convention) whose user-visible outputs leave the CUDA
     graph pool as copies, and whose calls are watched."""
@@ -75,7 +79,7 @@ class GraphedCallable:
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
         outputs = self.compiled(inputs)
-        COMPILATION.cuda_graph_watch.watch(self.name, self.timeout_s)
+        _call_watch().watch(self.name, self.timeout_s)
         return [x.clone() if i in self.user_outputs and isinstance(x, torch.Tensor) else x
                 for i, x in enumerate(outputs)]
 
@@ -94,8 +98,7 @@ def graphed_inner_compile(
             f"zeropp (Config.cuda_graphs): Inductor cannot run the {name} graph as a CUDA graph ({reasons}); "
             "remove what the reason names from the compiled step, or set Config.cuda_graphs=False"
         )
-    if COMPILATION.cuda_graph_watch is None:
-        COMPILATION.cuda_graph_watch = CallWatch()
+    _call_watch()  # started before the first call it watches
     output = next(iter(reversed(gm.graph.nodes)))
     # What the user can hold on to: the loss (forward), the gradients (backward); compile_fx marks
     # them on the graph's output node before calling inner_compile.

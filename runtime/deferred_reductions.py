@@ -25,13 +25,44 @@ import ast
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from ..torch_compat import at_backward_end, cuda_graph_unsafe_tags, graph_task_id
 from .programs import compiled_program
-from .registry import DEFERRED
+
+
+@dataclass
+class DeferredState:
+    """What this module holds: the reductions whose ends have not run yet (in
+    issue order), the placeholder gradients they handed out (by id, with the reduction and its
+    result's index), and the end callback of each backward pass that issued some (by graph task
+    id, weakly: autograd holds it while the pass runs)."""
+
+    unfinished: list[Any] = field(default_factory=list)
+    placeholders: dict[int, tuple[Any, Any, int]] = field(default_factory=dict)
+    backward_ends: dict[int, weakref.ref] = field(default_factory=dict)
+    deferred: int = 0  # gradients set on their parameters when their reduction finished
+    finished: int = 0  # reductions finished
+
+
+_STATE = DeferredState()  # this module's own: nothing else writes it
+
+
+class DeferredCounts(NamedTuple):
+    """`counts()`: what this module did since the process began, and what it holds now."""
+
+    finished: int  # reductions finished
+    deferred: int  # gradients set on their parameters when their reduction finished
+    unfinished: int  # reductions whose ends have not run
+    placeholders: int  # placeholder gradients handed out and not claimed
+    backward_ends: int  # backward passes whose end is awaited
+
+
+def counts() -> DeferredCounts:
+    return DeferredCounts(_STATE.finished, _STATE.deferred, len(_STATE.unfinished), len(_STATE.placeholders),
+                          len(_STATE.backward_ends))
 
 
 @dataclass
@@ -60,12 +91,12 @@ def finish_reductions_later(inputs: list[torch.Tensor], program: str, results: s
                     for dtype, shape in _results(results)]
     finish_reductions()  # those of the graphs before this one: their collectives ran during its compute
     reduction = Unfinished(list(inputs), program, task)
-    DEFERRED.unfinished.append(reduction)
+    _STATE.unfinished.append(reduction)
     for index, placeholder in enumerate(placeholders):
-        DEFERRED.placeholders[id(placeholder)] = (placeholder, reduction, index)
+        _STATE.placeholders[id(placeholder)] = (placeholder, reduction, index)
     if not _running(task):
         end = _BackwardEnd(task)
-        DEFERRED.backward_ends[task] = weakref.ref(end)
+        _STATE.backward_ends[task] = weakref.ref(end)
         at_backward_end(end)
     return placeholders
 
@@ -90,16 +121,16 @@ def finish_reductions() -> None:
     every rank), and sets each gradient claimed already on its parameter, unless the backward
     pass that claimed it has failed since: as autograd would have left `.grad` (the user may well
     have cleared it since, to try again)."""
-    unfinished, DEFERRED.unfinished = DEFERRED.unfinished, []
+    unfinished, _STATE.unfinished = _STATE.unfinished, []
     for reduction in unfinished:
         results = compiled_program(reduction.program)(*reduction.inputs)
         reduction.inputs = None
         reduction.results = results if isinstance(results, tuple) else (results,)
-        DEFERRED.finished += 1
+        _STATE.finished += 1
         if _running(reduction.graph_task):
             for index, set_on_parameter in reduction.claims.items():
                 set_on_parameter(reduction.results[index])
-                DEFERRED.deferred += 1
+                _STATE.deferred += 1
         reduction.claims.clear()
 
 
@@ -107,7 +138,7 @@ def claim(grad: torch.Tensor, set_on_parameter: Callable[[torch.Tensor], None] |
     """`grad` as the parameter's gradient, for `LocalShards` to hand on: itself, unless it is a
     placeholder; a placeholder's gradient, finished now if it was not, where `set_on_parameter` is
     None; else None, and `set_on_parameter` gets the gradient once its reduction has finished."""
-    found = DEFERRED.placeholders.pop(id(grad), None)
+    found = _STATE.placeholders.pop(id(grad), None)
     if found is None:
         return grad
     _, reduction, index = found
@@ -120,13 +151,13 @@ def claim(grad: torch.Tensor, set_on_parameter: Callable[[torch.Tensor], None] |
 
 
 def is_placeholder(grad: torch.Tensor) -> bool:
-    return id(grad) in DEFERRED.placeholders
+    return id(grad) in _STATE.placeholders
 
 
 def _running(task: int) -> bool:
     """Whether backward pass `task` is still running: its end callback is alive until it has run
     (autograd drops the callbacks of a pass that fails)."""
-    end = DEFERRED.backward_ends.get(task)
+    end = _STATE.backward_ends.get(task)
     return end is not None and end() is not None
 
 
@@ -140,10 +171,10 @@ class _BackwardEnd:
 
     def __call__(self) -> None:
         finish_reductions()
-        del DEFERRED.backward_ends[self.task]
-        DEFERRED.backward_ends = {task: end for task, end in DEFERRED.backward_ends.items() if end() is not None}
-        DEFERRED.placeholders = {key: found for key, found in DEFERRED.placeholders.items()
-                                 if found[1].graph_task in DEFERRED.backward_ends}
+        del _STATE.backward_ends[self.task]
+        _STATE.backward_ends = {task: end for task, end in _STATE.backward_ends.items() if end() is not None}
+        _STATE.placeholders = {key: found for key, found in _STATE.placeholders.items()
+                                 if found[1].graph_task in _STATE.backward_ends}
 
 
 FINISH_REDUCTIONS_LATER = torch.ops.zpp.finish_reductions_later.default  # as graphs call it

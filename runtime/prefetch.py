@@ -22,14 +22,50 @@ One layer's gathered weights more are alive at a time, as with FSDP2's prefetch.
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..torch_compat import (C10D_FUNCTIONAL, cuda_graph_unsafe_tags, dtensor_parts, in_autograd_backward,
                             viewed_tensor, write_count)
+from .layer_scope import running_layer
 from .programs import compiled_program
-from .registry import COMPILATION, PREFETCH, REGISTRY
+from .registry import REGISTRY
+
+
+class PrefetchCounts(NamedTuple):
+    """Calls of `zpp::gather_prefetched` since the process began (`counts()`)."""
+
+    hits: int = 0  # calls that took a gather issued ahead
+    misses: int = 0  # calls that gathered themselves
+    dropped: int = 0  # gathers issued ahead for a call that did not come
+
+
+@dataclass
+class PrefetchState:
+    """What this module knows of the calls of `zpp::gather_prefetched`: the gather issued
+    ahead (`prefetch.Issued`), the latest call, the call that followed each one in the previous
+    step (with the memory of its shards), each shard a layer's forward read (weakly) with that
+    layer, by memory, and each shard's parameter."""
+
+    pending: Any = None
+    previous: Any = None
+    first: Any = None  # the first call since the sequence last started
+    successors: dict[Any, tuple[Any, tuple]] = field(default_factory=dict)
+    shards: dict[tuple, tuple[weakref.ref, tuple[int, str]]] = field(default_factory=dict)
+    parameters: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # shard -> its parameter, weakly
+    counts: PrefetchCounts = PrefetchCounts()  # not reset with the rest: totals of the process
+
+    def reset(self) -> None:
+        self.__dict__.update({**vars(PrefetchState()), "counts": self.counts})
+
+    def count(self, **added: int) -> None:
+        self.counts = self.counts._replace(**{key: getattr(self.counts, key) + n for key, n in added.items()})
+
+
+_STATE = PrefetchState()  # this module's own: nothing else writes it
 
 
 class GatherCall(NamedTuple):
@@ -66,17 +102,17 @@ def gather_prefetched(inputs: list[torch.Tensor], program: str, gathered_numel: 
     one in the previous step is issued ahead. `backward`: the graph is a backward graph."""
     memory = tuple(map(_memory, inputs))
     call = _identify(inputs, memory, program, backward or in_autograd_backward())
-    pending, PREFETCH.pending = PREFETCH.pending, None
+    pending, _STATE.pending = _STATE.pending, None
     if (pending is not None and (pending.call, pending.memory) == (call, memory)
             and pending.versions == _parameter_versions(memory)):
         issued = pending.result
-        PREFETCH.hits += 1
+        _STATE.count(hits=1)
     else:
         if pending is not None:
             C10D_FUNCTIONAL.wait_tensor(pending.result)  # a wrong guess, issued on every rank: its buffer can go
-            PREFETCH.dropped += 1
+            _STATE.count(dropped=1)
         issued = compiled_program(program)(*inputs)
-        PREFETCH.misses += 1
+        _STATE.count(misses=1)
     if call is not None:
         _issue_following(call)
     return C10D_FUNCTIONAL.wait_tensor(issued)
@@ -86,32 +122,32 @@ def _identify(inputs: list[torch.Tensor], memory: tuple, program: str, in_backwa
     """This call as every rank knows it, with what it read remembered for the next step's
     predictions; None for a call that reads something else than known shards (hpZ's copies,
     made each step), which ends the sequence a prediction follows."""
-    running = COMPILATION.running_layer
+    running = running_layer()
     if running is not None:  # a layer's forward (or its recompute in backward) reads the layer's own shards
         for key, t in zip(memory, inputs):
             shard = viewed_tensor(t)
             if _memory(shard) == key:
-                PREFETCH.shards[key] = (weakref.ref(shard), running)
+                _STATE.shards[key] = (weakref.ref(shard), running)
     layers = {_read_at(key)[1] for key in memory}
     layer = layers.pop() if len(layers) == 1 else None
-    previous, PREFETCH.previous = PREFETCH.previous, None
+    previous, _STATE.previous = _STATE.previous, None
     if layer is None:
         return None
     call = GatherCall(layer, program, in_backward, torch.is_grad_enabled())
     # The sequence starts again at a forward after backward, and where its first call comes again
     # (the next step, where no gather of copies in backward ended it): a gather issued at the end
     # of a step would be of weights the optimizer has not yet updated.
-    if previous is None or call == PREFETCH.first or (previous.in_backward and not in_backward):
-        PREFETCH.first = call
+    if previous is None or call == _STATE.first or (previous.in_backward and not in_backward):
+        _STATE.first = call
     else:
-        PREFETCH.successors[previous] = (call, memory)
-    PREFETCH.previous = call
+        _STATE.successors[previous] = (call, memory)
+    _STATE.previous = call
     return call
 
 
 def _read_at(key: tuple) -> tuple[torch.Tensor, tuple[int, str]] | tuple[None, None]:
     """The shard a layer's forward read at `key`, and that layer, if the shard is alive and still there."""
-    ref, layer = PREFETCH.shards.get(key, (lambda: None, None))
+    ref, layer = _STATE.shards.get(key, (lambda: None, None))
     shard = ref()
     return (shard, layer) if shard is not None and _memory(shard) == key else (None, None)
 
@@ -128,7 +164,7 @@ def _parameter_versions(memory: tuple) -> tuple[int, ...] | None:
         parameter = _parameter_of(shard)
         if parameter is None:
             for param in list(REGISTRY.params.keys()):  # a shard not seen yet (or made anew): index them again
-                PREFETCH.parameters[dtensor_parts(param)[0]] = weakref.ref(param)
+                _STATE.parameters[dtensor_parts(param)[0]] = weakref.ref(param)
             parameter = _parameter_of(shard)
         if parameter is None:
             return None
@@ -138,7 +174,7 @@ def _parameter_versions(memory: tuple) -> tuple[int, ...] | None:
 
 def _parameter_of(shard: torch.Tensor) -> torch.Tensor | None:
     """The parameter `shard` is the local shard of, as last indexed, if it still is."""
-    ref = PREFETCH.parameters.get(shard)
+    ref = _STATE.parameters.get(shard)
     parameter = ref() if ref is not None else None
     return parameter if parameter is not None and dtensor_parts(parameter)[0] is shard else None
 
@@ -146,21 +182,27 @@ def _parameter_of(shard: torch.Tensor) -> torch.Tensor | None:
 def _issue_following(call: GatherCall) -> None:
     """Issues the call that followed `call` in the previous step, if it reads shards of the same
     model (alive, then, on every rank)."""
-    following, memory = PREFETCH.successors.get(call, (None, ()))
+    following, memory = _STATE.successors.get(call, (None, ()))
     if following is None or following.layer[0] != call.layer[0]:
         return
     versions = _parameter_versions(memory)
     if versions is not None:
         shards = [_read_at(key)[0] for key in memory]
-        PREFETCH.pending = Issued(following, memory, versions, compiled_program(following.program)(*shards))
+        _STATE.pending = Issued(following, memory, versions, compiled_program(following.program)(*shards))
 
 
 def forget_calls() -> None:
     """Forgets every call (`shard` does, on every rank: a new model may take a gone one's sharding
     id and memory), waiting for a gather issued ahead."""
-    if PREFETCH.pending is not None:
-        C10D_FUNCTIONAL.wait_tensor(PREFETCH.pending.result)
-    PREFETCH.reset()
+    if _STATE.pending is not None:
+        C10D_FUNCTIONAL.wait_tensor(_STATE.pending.result)
+    _STATE.reset()
+
+
+def counts() -> PrefetchCounts:
+    """The calls of `zpp::gather_prefetched` so far in this process: taken from a gather issued
+    ahead, gathered by themselves, and the gathers issued ahead for nothing."""
+    return _STATE.counts
 
 
 @gather_prefetched.register_fake

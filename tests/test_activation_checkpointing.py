@@ -17,6 +17,7 @@ import torch.nn as nn
 import transformers
 
 import zpp_compile as zpp
+from zpp_compile.ledger import LEDGER
 from distributed import device, run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -136,15 +137,15 @@ def hpz_backward(rank: int, world_size: int) -> list:
     options = {"hpz_partition_size": 1, "ranks_per_node": 1, "quantized_weights": True, "weight_block_size": 64}
     build = lambda: GPT(GPT_CONFIG)  # noqa: E731
     plain = one_step(rank, world_size, build, gpt_loss, options)
-    start = len(zpp.COMPILATION.ledger)
+    start = len(LEDGER.graphs)
     checkpointed = one_step(rank, world_size, build, gpt_loss, {**options, "activation_checkpointing": "full"})
     # Recomputing changes no bit: the same ops on the same values.
     assert checkpointed[0] == plain[0]
     for name, grad in plain[1].items():
         torch.testing.assert_close(checkpointed[1][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     assert numel(checkpointed[2]) < numel(plain[2])
-    backward = [g for g in zpp.COMPILATION.ledger[start:] if g.kind == "backward"]
-    assert backward and any(c.op == "all_gather" for g in zpp.COMPILATION.ledger[start:] for c in g.collectives)
+    backward = [g for g in LEDGER.graphs[start:] if g.kind == "backward"]
+    assert backward and any(c.op == "all_gather" for g in LEDGER.graphs[start:] for c in g.collectives)
     return [c for g in backward for c in g.collectives if c.op == "all_gather"]
 
 

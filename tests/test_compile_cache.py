@@ -23,7 +23,9 @@ from zpp_compile import compile_cache
 from zpp_compile.compile_cache import PassCache, passes_key, to_local_as_method
 from zpp_compile.pass_manager import PassManager
 from zpp_compile.ledger import CommReport, GraphComm, ShardedModel
-from zpp_compile.runtime.registry import PREFETCH, CompilationRegistry, Registry, ShardingState
+from zpp_compile.ledger import LEDGER, Ledger
+from zpp_compile.runtime import prefetch
+from zpp_compile.runtime.registry import Registry, ShardingState
 from zpp_compile.runtime.topology import Group, Topology
 from distributed import device, run_ranks
 
@@ -44,7 +46,7 @@ def train(model: nn.Module, options: dict, rank: int, evaluate: bool = False) ->
     frame compiled again, for inference); the ledger entries its graphs added, its final
     parameters and losses, and the cache counters it moved."""
     before = {**counters["aot_autograd"], **counters["inductor"]}
-    start = len(zpp.COMPILATION.ledger)
+    start = len(LEDGER.graphs)
     step_fn = torch.compile(model, backend="zeropp", options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
@@ -60,7 +62,7 @@ def train(model: nn.Module, options: dict, rank: int, evaluate: bool = False) ->
             step_fn(torch.randn(4, 8, generator=g).to(device()))
     after = {**counters["aot_autograd"], **counters["inductor"]}
     moved = {k: after[k] - before.get(k, 0) for k in after if "cache" in k and after[k] != before.get(k, 0)}
-    return {"graphs": zpp.COMPILATION.ledger[start:], "losses": losses, "counters": moved,
+    return {"graphs": LEDGER.graphs[start:], "losses": losses, "counters": moved,
             # As lists: tensors sent between processes would share memory with a rank that has exited.
             "params": {k: v.cpu().tolist() for k, v in zpp.full_state_dict(model).items()}}
 
@@ -169,13 +171,14 @@ def layers_launch(rank: int, world_size: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     losses, prefetched = [], []
     for _ in range(3):
-        PREFETCH.hits = PREFETCH.misses = 0
+        counted = prefetch.counts()
         loss = step_fn(torch.randn(4, 8, generator=g).to(device())).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        prefetched.append((PREFETCH.hits, PREFETCH.misses))
+        now = prefetch.counts()
+        prefetched.append((now.hits - counted.hits, now.misses - counted.misses))
     after = {**counters["aot_autograd"], **counters["inductor"]}
     moved = {k: after[k] - before.get(k, 0) for k in after if "cache" in k and after[k] != before.get(k, 0)}
     return {"counters": moved, "prefetched": prefetched, "losses": losses,
@@ -265,15 +268,15 @@ def test_the_cache_key_covers_config_topology_and_rank_but_not_the_graph_id(tmp_
 def test_a_restored_entry_gives_way_to_the_graph_compiled_after_all():
     # A backward restored with its forward from the record, then compiled at its first use (its
     # entry in Inductor's cache was gone): the ledger holds it once, as compiled.
-    manager, start = PassManager(zpp.Config(), topology(), "g9"), len(zpp.COMPILATION.ledger)
+    manager, start = PassManager(zpp.Config(), topology(), "g9"), len(LEDGER.graphs)
     restored, compiled = GraphComm("g9.backward", "backward", ()), GraphComm("g9.backward", "backward", (), 5)
     manager.record(GraphComm("g9.forward", "forward", ()), restored=True)
     manager.record(restored, restored=True)
     manager.record(compiled)
     manager.record(GraphComm("g9.backward", "backward", ()))  # e.g. a subgraph's: kept beside it
-    assert [g.secondary_bytes for g in zpp.COMPILATION.ledger[start:]] == [0, 5, 0]
-    assert manager.graphs == zpp.COMPILATION.ledger[start:]
-    del zpp.COMPILATION.ledger[start:]
+    assert [g.secondary_bytes for g in LEDGER.graphs[start:]] == [0, 5, 0]
+    assert tuple(manager.graphs) == LEDGER.graphs[start:]
+    LEDGER.clear()
 
 
 def test_a_gone_models_id_is_taken_back_only_by_an_equal_state_and_with_its_graphs_gone():
@@ -285,11 +288,11 @@ def test_a_gone_models_id_is_taken_back_only_by_an_equal_state_and_with_its_grap
     registry.models[live] = registry.states[other]
     assert registry.reusable_id(dataclasses.replace(state, padded_numel=32)) is None  # its model lives
     assert registry.reusable_id(ShardingState(zpp.Config(), topology(), 64, ("0",), 256)) == gone
-    compiled = CompilationRegistry()
-    compiled.ledger[:] = [GraphComm(f"g{i}.forward", "forward", (), 0, ShardedModel(i, 64, 4, 2))
-                          for i in (gone, other)]
-    compiled.forget_model(gone)
-    assert [g.graph_name for g in compiled.ledger] == [f"g{other}.forward"]
+    ledger = Ledger()
+    for i in (gone, other):
+        ledger.enter(GraphComm(f"g{i}.forward", "forward", (), 0, ShardedModel(i, 64, 4, 2)))
+    ledger.forget_model(gone)
+    assert [g.graph_name for g in ledger.graphs] == [f"g{other}.forward"]
 
 
 def test_a_job_served_graphs_that_another_job_compiled_meanwhile_enters_them_all(tmp_path, monkeypatch):
@@ -305,10 +308,9 @@ def test_a_job_served_graphs_that_another_job_compiled_meanwhile_enters_them_all
     b = PassCache.open(job_b, graph, [], {})
     assert b.uuid == a.uuid and b.path == a.path
     a.save([forward, backward])
-    start = len(zpp.COMPILATION.ledger)
     b.restore(job_b)
     assert [(g.graph_name, g.secondary_bytes) for g in job_b.graphs] == [("g4.forward", 7), ("g4.backward", 0)]
-    del zpp.COMPILATION.ledger[start:]
+    LEDGER.clear()
     # A third job that compiled the forward alone adds to the record; the backward stays.
     c = dataclasses.replace(a, uuid=a.uuid.rsplit("-", 1)[0] + "-0123456789abcdef")
     c.save([forward])

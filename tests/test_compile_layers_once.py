@@ -22,7 +22,9 @@ from zpp_compile.passes import PASSES, GraphPass
 from zpp_compile.passes.lower_collectives import lower_collectives
 from zpp_compile.dump import read_layer_runs
 from zpp_compile.ledger import CollectiveRecord, CommReport, GraphComm
-from zpp_compile.runtime.registry import DEFERRED, PREFETCH
+from zpp_compile.layer_graphs import graphs_run_by
+from zpp_compile.runtime import deferred_reductions, prefetch
+from zpp_compile.runtime.layer_scope import running_layer
 from zpp_compile.runtime.topology import Group
 from zpp_compile.runtime.weight_quant_format import packed_weight_bytes
 from zpp_compile.torch_compat import ListedWithoutDynamoWalks
@@ -62,7 +64,7 @@ def counting_backend(graphs: list, options: dict, lowered: list | None = None) -
               for p in PASSES]
 
     def backend(gm, example_inputs):
-        graphs.append((gm, zpp.COMPILATION.running_layer is not None))
+        graphs.append((gm, running_layer() is not None))
         return zeropp_backend(gm, example_inputs, options, passes=passes)
     return backend
 
@@ -101,7 +103,7 @@ def compile_once_run(rank: int, world_size: int) -> None:
             assert [len(gm.graph.find_nodes(op="call_function", target=torch.ops.zpp.all_gather_param))
                     for gm, one_layer in graphs if one_layer] == [len(list(model.model.layers[0].parameters()))]
             sharding_id = zpp.REGISTRY.sharding_id(model)
-            ran = {name: graph for (owner, name), graph in zpp.COMPILATION.layer_graphs.items() if owner == sharding_id}
+            ran = graphs_run_by(sharding_id)
             assert sorted(ran) == [f"model.layers.{i}" for i in range(LAYERS)] and len(set(ran.values())) == 1
             # Reshard after forward: backward gathers every layer's weights again. Forward gathers
             # the embedding, each layer (one bucket each) and the final norm (each in a graph of its
@@ -194,7 +196,7 @@ def numbered_layers_run(rank: int, world_size: int) -> None:
     apart = [str(w.message) for w in caught if "differs from layer to layer" in str(w.message)]
     assert len(apart) == 1 and "compiled 5 graphs for 5 layers" in apart[0], apart
     sharding_id = zpp.REGISTRY.sharding_id(model)
-    assert len({graph for (owner, _), graph in zpp.COMPILATION.layer_graphs.items() if owner == sharding_id}) == 12
+    assert len(set(graphs_run_by(sharding_id).values())) == 12
 
 
 def kv_cache_run(rank: int, world_size: int) -> None:
@@ -330,7 +332,7 @@ def prefetched_steps(rank: int, world_size: int, build: Callable[[], nn.Module],
     zpp.reset_comm_report()
     losses, counts = [], []
     for index in range(steps):
-        PREFETCH.hits = PREFETCH.misses = PREFETCH.dropped = 0
+        before = prefetch.counts()
         if skip_at is not None:
             model.skip = index == skip_at
         loss = loss_of(step, rank, world_size, index)
@@ -342,7 +344,7 @@ def prefetched_steps(rank: int, world_size: int, build: Callable[[], nn.Module],
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
-        counts.append((PREFETCH.hits, PREFETCH.misses, PREFETCH.dropped))
+        counts.append(tuple(after - first for after, first in zip(prefetch.counts(), before)))
     return losses, counts, zpp.comm_report().by_phase(), zpp.full_state_dict(model)
 
 
@@ -393,12 +395,13 @@ def overlap_across_layers_run(rank: int, world_size: int) -> None:
         for disabled, expected_prefetch, expected_deferred in (((), prefetched, every_gradient),
                                                                (NO_PREFETCH, [(0, 0, 0)] * 2, every_gradient),
                                                                (FINISHED_IN_GRAPH, prefetched, 0)):
-            DEFERRED.deferred = 0
+            before = deferred_reductions.counts()
             runs[disabled] = prefetched_steps(rank, world_size, build, llama_loss,
                                               {**options, "disable_passes": disabled}, steps=2)
             assert runs[disabled][1] == expected_prefetch, (options, disabled, runs[disabled][1])
-            assert DEFERRED.deferred == expected_deferred, (options, disabled, DEFERRED.deferred)
-            assert not (DEFERRED.unfinished or DEFERRED.placeholders or DEFERRED.backward_ends)
+            after = deferred_reductions.counts()
+            assert after.deferred - before.deferred == expected_deferred, (options, disabled, after, before)
+            assert after.unfinished == after.placeholders == after.backward_ends == 0, after
         assert_same_training(runs[()], runs[NO_PREFETCH])
         assert_same_training(runs[()], runs[FINISHED_IN_GRAPH])
 
@@ -424,10 +427,11 @@ def reductions_finished_later_inductor_run(rank: int, world_size: int) -> None:
     """Under Inductor, a stack of MLP layers whose backward graphs finish their last reductions
     later trains as with the pass switched off, to fp32 rounding, every gradient of both steps set
     on its parameter when its reduction ended."""
-    DEFERRED.deferred = 0
+    before = deferred_reductions.counts()
     later = prefetched_steps(rank, world_size, SkippingStack, stack_loss, {}, steps=2, inductor=True)
-    assert DEFERRED.deferred == 2 * len(list(SkippingStack().parameters()))
-    assert not (DEFERRED.unfinished or DEFERRED.placeholders or DEFERRED.backward_ends)
+    after = deferred_reductions.counts()
+    assert after.deferred - before.deferred == 2 * len(list(SkippingStack().parameters()))
+    assert after.unfinished == after.placeholders == after.backward_ends == 0, after
     in_graph = prefetched_steps(rank, world_size, SkippingStack, stack_loss, {"disable_passes": FINISHED_IN_GRAPH},
                                 steps=2, inductor=True)
     assert_same_training(later, in_graph, exact=False)
@@ -476,14 +480,16 @@ def reductions_finished_later_elsewhere_run(rank: int, world_size: int) -> None:
 
     for use in (accumulate, hand_back, hooked, failed_then_cleared):
         torch.compiler.reset()  # eight models in all would reach Dynamo's cap of graphs per frame
-        DEFERRED.finished = 0
+        before = deferred_reductions.counts()
         later = stack_gradients(rank, world_size, {}, use)
-        assert DEFERRED.finished > 0, use.__name__  # the graphs did leave their reductions to finish later
+        # the graphs did leave their reductions to finish later
+        assert deferred_reductions.counts().finished > before.finished, use.__name__
         in_graph = stack_gradients(rank, world_size, {"disable_passes": FINISHED_IN_GRAPH}, use)
         for name, grad in later.items():
             torch.testing.assert_close(grad, in_graph[name], rtol=0, atol=0,
                                        msg=lambda m: f"{use.__name__} {name}: {m}")
-        assert not (DEFERRED.unfinished or DEFERRED.placeholders), use.__name__
+        held = deferred_reductions.counts()
+        assert held.unfinished == held.placeholders == 0, (use.__name__, held)
 
 
 @pytest.mark.distributed

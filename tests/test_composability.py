@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zpp_compile as zpp
+from zpp_compile.ledger import LEDGER
 from distributed import device, in_turn, optimizer_steps, run_ranks
 from models import CheckpointedTransformer, TinyTransformer, batches
 from training import PER_RANK, train_sharded
@@ -53,7 +54,7 @@ def no_sync_run(rank: int, world_size: int, compiled: bool, config: zpp.Config |
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     if compiled:
-        backward = [g for g in zpp.COMPILATION.ledger if g.kind == "backward"]
+        backward = [g for g in LEDGER.graphs if g.kind == "backward"]
         reduces = sorted(any(c.op != "all_gather" for c in g.collectives) for g in backward)
         if config is not None and config.compile_layers_once:
             # The layers' graph and the graphs of the rest of the step, in both versions (the
@@ -127,7 +128,7 @@ def sequence_lengths_run(rank: int, world_size: int) -> int:
     torch.manual_seed(0)
     model = zpp.shard(TinyTransformer().to(device()))
     compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
-    start = len(zpp.COMPILATION.ledger)
+    start = len(LEDGER.graphs)
     reports = []
     for seq in (5, 7, 9):
         rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -154,7 +155,7 @@ def sequence_lengths_run(rank: int, world_size: int) -> int:
     mine, both = zpp.comm_report(model), zpp.comm_report()
     assert (mine.intra_bytes + mine.inter_bytes, len(mine.rows)) == reports[0]
     assert both.intra_bytes + both.inter_bytes == 2 * reports[0][0]  # the same architecture: the same bytes
-    compiled_graphs = sum(1 for g in zpp.COMPILATION.ledger[start:]
+    compiled_graphs = sum(1 for g in LEDGER.graphs[start:]
                           if g.kind == "forward" and g.model.sharding_id == zpp.REGISTRY.sharding_id(model))
     zpp.reset_comm_report()
     assert not zpp.comm_report().rows

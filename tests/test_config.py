@@ -12,7 +12,7 @@ import torch.nn as nn
 import zpp_compile as zpp
 from distributed import device, run_ranks
 from zpp_compile import Config, ConfigError
-from zpp_compile.runtime.registry import COMPILATION
+from zpp_compile.ledger import LEDGER
 
 
 def test_defaults_and_dtype_names():
@@ -143,7 +143,7 @@ def compile_options(rank: int, world_size: int) -> None:
                                   (SHARDED_WITH, {"quantized_gradients": True})]:
         torch.manual_seed(0)
         model = zpp.shard(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(device()), shard_config)
-        COMPILATION.ledger.clear()
+        LEDGER.clear()
         compiled_step(model, options, x)
         report = zpp.comm_report().to_dict()
         for row in report["collectives"]:

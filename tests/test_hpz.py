@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zpp_compile as zpp
+from zpp_compile.ledger import LEDGER
 from distributed import device, in_turn, run_ranks
 from models import TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, qwz_runs, saved_tensor_shapes, train, train_sharded
@@ -81,7 +82,7 @@ def weight_gathers(graphs: list, secondary_bytes: int) -> dict:
 def trained_with_gathers(rank: int, world_size: int, options: dict) -> tuple[dict, dict]:
     """train_sharded (debug mode, against the reference), then the weight gathers of its graphs."""
     shapes = train_sharded(rank, world_size, "aot", options)
-    return shapes, weight_gathers(zpp.COMPILATION.ledger, zpp.secondary_copy_bytes())
+    return shapes, weight_gathers(LEDGER.graphs, zpp.secondary_copy_bytes())
 
 
 @needs_4_ranks
@@ -174,7 +175,7 @@ def copies_against_int8_copy(rank: int, world_size: int, configs: tuple[dict, ..
             train(model, batches(STEPS, world_size, PER_RANK), compiled, slice(rank * PER_RANK, (rank + 1) * PER_RANK))
         finals.append(zpp.full_state_dict(model))
         saved_codes.append(torch.uint8 in dtypes)
-        gathers.append(weight_gathers(zpp.COMPILATION.ledger, zpp.secondary_copy_bytes()))
+        gathers.append(weight_gathers(LEDGER.graphs, zpp.secondary_copy_bytes()))
     differing = [[key for key, value in final.items() if not torch.equal(value, finals[0][key])]
                  for final in finals[1:]]
     return differing, saved_codes, gathers

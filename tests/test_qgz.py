@@ -16,6 +16,7 @@ from training import PER_RANK, STEPS, needs_4_ranks, relative_error, train
 from zpp_compile.runtime.collectives import all_to_all, all_to_all_between_nodes
 from zpp_compile.runtime.ops import reduce_grad_quantized
 from zpp_compile.runtime.topology import build_topology
+from zpp_compile.ledger import LEDGER
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 
@@ -196,10 +197,10 @@ def gradient_bytes(rank: int, world_size: int) -> dict:
         model = TinyTransformer(vocab=256, dim=256, heads=4, layers=2).to(device())
         zpp.shard(model, zpp.Config(quantized_gradients=qgz, param_dtype="bf16", reduce_dtype="bf16", ranks_per_node=2))
         compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
-        start = len(zpp.COMPILATION.ledger)
+        start = len(LEDGER.graphs)
         tokens, targets = batches(1, world_size, vocab=256)[0]
         compiled(tokens[:1].to(device()), targets[:1].to(device())).backward()
-        backward = [g for g in zpp.COMPILATION.ledger[start:] if g.kind == "backward"][0]
+        backward = [g for g in LEDGER.graphs[start:] if g.kind == "backward"][0]
         out[qgz] = sum(c.inter_bytes for c in backward.collectives if c.op != "all_gather")
     return out
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import zpp_compile as zpp
+from zpp_compile.ledger import LEDGER
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 from training import needs_4_ranks, qwz_runs
@@ -35,10 +36,10 @@ def gather_bytes(rank: int, world_size: int) -> dict:
         model = TinyTransformer(vocab=256, dim=256, heads=4, layers=2).to(device())
         zpp.shard(model, zpp.Config(quantized_weights=qwz, param_dtype="bf16"))
         compiled = torch.compile(model, backend="zeropp", options={"inductor": False})
-        start = len(zpp.COMPILATION.ledger)
+        start = len(LEDGER.graphs)
         tokens, targets = batches(1, world_size, vocab=256)[0]
         compiled(tokens[:1].to(device()), targets[:1].to(device())).backward()
-        for graph in zpp.COMPILATION.ledger[start:]:
+        for graph in LEDGER.graphs[start:]:
             gathers = [c for c in graph.collectives if c.op == "all_gather"]
             out[(qwz, graph.kind)] = sum(c.intra_bytes + c.inter_bytes for c in gathers)
     return out

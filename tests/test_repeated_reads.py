@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 import zpp_compile as zpp
-from zpp_compile.ledger import PHASES
+from zpp_compile.ledger import LEDGER, PHASES
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 
@@ -185,7 +185,7 @@ def gather_once_run(rank: int, world_size: int) -> dict:
     phases = {}
     for disabled in ((), ("gather_once",)):
         torch._dynamo.reset()
-        zpp.COMPILATION.ledger.clear()
+        LEDGER.clear()
         model = shard_copy(reference, TiedAndRepeated)
         options = {"inductor": False, "disable_passes": list(disabled)}
         torch.compile(model, backend="zeropp", options=options)(tokens[mine].to(device()),

@@ -26,6 +26,7 @@ from zpp_compile.runtime.buckets import side_by_side
 from zpp_compile.runtime.collectives import ALL_GATHERS
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.sharding import _layers
+from zpp_compile.ledger import LEDGER
 from distributed import device, in_turn, run_ranks
 from models import Block, TinyTransformer, batches
 from training import PER_RANK, STEPS, train, train_sharded
@@ -68,7 +69,7 @@ def final_state(rank: int, world_size: int, options: dict, layers: int = 2,
     model = zpp.shard(TinyTransformer(layers=layers).to(device()), zpp.Config(**options))
     step_fn = torch.compile(model, backend=backend, options={"inductor": False})
     history = train(model, batches(STEPS, world_size, PER_RANK), step_fn, slice(rank * PER_RANK, (rank + 1) * PER_RANK))
-    collectives = [c for g in zpp.COMPILATION.ledger for c in g.collectives]
+    collectives = [c for g in LEDGER.graphs for c in g.collectives]
     return {k: v.cpu() for k, v in zpp.full_state_dict(model).items()}, history, collectives
 
 
@@ -77,7 +78,7 @@ def compare_runs(rank: int, world_size: int, options: dict, other: dict,
     """Trains under `options`, then under them updated by `other` (compiled by `other_backend`):
     the histories and parameters are equal to the bit; how many collectives each run issued."""
     first, first_history, first_collectives = final_state(rank, world_size, options)
-    zpp.COMPILATION.ledger.clear()
+    LEDGER.clear()
     torch._dynamo.reset()
     second, second_history, second_collectives = final_state(rank, world_size, {**options, **other},
                                                               backend=other_backend)
@@ -101,7 +102,7 @@ def quantized_bucket_runs(rank: int, world_size: int) -> tuple[int, int, list, l
     passes = [dataclasses.replace(p, run=capture) if p.name == "schedule_overlap" else p for p in PASSES]
     unbucketed, bucketed = compare_runs(rank, world_size, {**ALL_THREE, "bucket_size": 0}, {"bucket_size": 1 << 20},
                                         functools.partial(zeropp_backend, passes=passes))
-    kinds = sorted({(c.op, str(c.dtype), c.of_gradient) for g in zpp.COMPILATION.ledger for c in g.collectives})
+    kinds = sorted({(c.op, str(c.dtype), c.of_gradient) for g in LEDGER.graphs for c in g.collectives})
     ops = {"quantize_bucket": torch.ops.zpp.quantize_bucket.default,
            "quantize_weight": torch.ops.zpp.quantize_weight.default,
            "dequantize_bucket": torch.ops.zpp.dequantize_bucket.default,

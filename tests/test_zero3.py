@@ -18,6 +18,7 @@ from zpp_compile import backend, local_shards
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES, GraphPass
 from zpp_compile.runtime.topology import collective_device
+from zpp_compile.ledger import LEDGER
 from distributed import device, for_each_config, run_ranks
 from models import GraphBreakTransformer, TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
@@ -66,7 +67,7 @@ def graph_break_run(rank: int, world_size: int) -> int:
     """Trains the graph-broken model against the reference; returns how many training graphs
     (graphs with a backward) this rank compiled."""
     train_sharded(rank, world_size, "aot", {}, GraphBreakTransformer)
-    return len({g.graph_name.split(".")[0] for g in zpp.COMPILATION.ledger if g.kind == "backward"})
+    return len({g.graph_name.split(".")[0] for g in LEDGER.graphs if g.kind == "backward"})
 
 
 def test_shards_live_on_the_device_the_default_group_serves(monkeypatch):

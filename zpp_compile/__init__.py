@@ -34,8 +34,8 @@ __all__ = [
 ]
 
 
-# What `_api` gives besides the exports: the compilation and sharding registries (tests read them).
-_ALSO_FROM_API = ("COMPILATION", "REGISTRY")
+# What `_api` gives besides the exports: the sharding registry (tests read it).
+_ALSO_FROM_API = ("REGISTRY",)
 
 
 def __getattr__(name: str) -> Any:

@@ -7,8 +7,8 @@ from torch import nn
 from .config import Config, ConfigError
 from .runtime.agreement import RankMismatchError
 from .runtime.cuda_graphs import release_cuda_graphs
-from .ledger import CommReport
-from .runtime.registry import COMPILATION, REGISTRY
+from .ledger import LEDGER, CommReport
+from .runtime.registry import REGISTRY
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .grad_sync import no_sync, set_requires_gradient_sync
 from .initialization import load_full_state_dict
@@ -40,7 +40,7 @@ def comm_report(model: nn.Module | None = None) -> CommReport:
 
     Every sharded model's graphs count unless `model` (a model given to `shard`) picks one; of a
     step Dynamo recompiled (a new sequence length, say), only the latest graphs count."""
-    graphs = COMPILATION.ledger
+    graphs = list(LEDGER.graphs)
     if model is not None:
         if model not in REGISTRY.models:
             raise ValueError(f"comm_report(model): {type(model).__name__} was not sharded by zpp_compile.shard")
@@ -52,7 +52,7 @@ def comm_report(model: nn.Module | None = None) -> CommReport:
 def reset_comm_report() -> None:
     """Forgets the graphs compiled so far: `comm_report()` then reports only graphs compiled after
     this call (e.g. between benchmark variants that share a process)."""
-    COMPILATION.ledger.clear()
+    LEDGER.clear()
 
 
 __all__ = [  # the package's own list less __version__ (tests/test_package.py checks they agree)

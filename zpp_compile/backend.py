@@ -12,6 +12,7 @@ rewritten graphs execute without Inductor.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,12 +35,16 @@ from .runtime.agreement import check_same_gathers
 from .runtime.collectives import gathers_into_given_output
 from .runtime.cuda_graphs import graphed_inner_compile
 from .runtime.ops import RUN_TIME_GATHERS, gather_param_args
-from .runtime.registry import COMPILATION, REGISTRY, ShardingState
+from .runtime.layer_scope import running_layer
+from .runtime.registry import REGISTRY, ShardingState
 from .torch_compat import (
     CustomGraphPass, aot_autograd, compile_fx, compile_fx_inner, dynamo_frame_id, inductor_mode_options,
 )
 
 log = logging.getLogger(__name__)  # TORCH_LOGS="zpp_compile" shows it
+# Each Dynamo graph the backend compiles gets the next id ("g3": its graphs are g3.forward, g3.backward),
+# in compile order, the same on every rank (they compile the same graphs in the same order).
+_GRAPH_IDS = itertools.count()
 
 
 def zeropp_backend(
@@ -65,8 +70,8 @@ def zeropp_backend(
     buckets_within_layers = config.bucket_size == "layer"
     config = config.with_layer_size(state.layer_nbytes)
     # A layer's own graph (Config.compile_layers_once) is compiled while that layer runs.
-    one_layer = COMPILATION.running_layer is not None
-    manager = PassManager(config, state.topology, f"g{next(COMPILATION.graph_ids)}", state.layers,
+    one_layer = running_layer() is not None
+    manager = PassManager(config, state.topology, f"g{next(_GRAPH_IDS)}", state.layers,
                           _frame(example_inputs), passes, buckets_within_layers, one_layer)
     if not any(p.name == "lower_collectives" for p in manager.passes):  # zeropp's IR ops run as they are
         RUN_TIME_GATHERS.unlowered_graphs = True

@@ -13,22 +13,21 @@ Layers whose forwards read something that differs by layer (an HF model's KV cac
 `use_cache` is on in training) trace apart, each into a graph of its own; zeropp warns of it.
 
 The communication report counts a layer's graph once for every layer that ran it last: the
-forward sets `COMPILATION.running_layer` while it runs, and the compiled graph records which
-layer ran it (`record_layer_run`).
+forward makes its layer the running one (`runtime.layer_scope`) while it runs, and the compiled
+graph records which layer ran it (`record_layer_run`; this module keeps the records).
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
 
 from .module_state import HeldShards, held_shards
-from .runtime.registry import COMPILATION
+from .runtime.layer_scope import running, running_layer
 from .torch_compat import frame_recompile_limit
 
 if TYPE_CHECKING:
@@ -89,14 +88,9 @@ def _compiled_on_its_own(forward: Callable[..., Any]) -> Callable[..., Any]:
     return run_layer
 
 
-@contextlib.contextmanager
-def running(layer: tuple[int, str]) -> Iterator[None]:
-    """`layer` (sharding id, qualified name) is the layer whose forward runs or compiles now."""
-    outer, COMPILATION.running_layer = COMPILATION.running_layer, layer
-    try:
-        yield
-    finally:
-        COMPILATION.running_layer = outer
+# The graph id each layer (sharding id, qualified name) ran last in training: this module's own,
+# written by `record_layer_run` and `forget_model` alone.
+_RAN_LAST: dict[tuple[int, str], str] = {}
 
 
 def record_layer_run(compiled: Callable[..., Any], graph_id: str, dump: GraphDump | None) -> Callable[..., Any]:
@@ -106,9 +100,9 @@ def record_layer_run(compiled: Callable[..., Any], graph_id: str, dump: GraphDum
     `dump` when they change."""
 
     def run(*args: Any) -> Any:
-        layer = COMPILATION.running_layer
-        if layer is not None and torch.is_grad_enabled() and COMPILATION.layer_graphs.get(layer) != graph_id:
-            COMPILATION.layer_graphs[layer] = graph_id
+        layer = running_layer()
+        if layer is not None and torch.is_grad_enabled() and _RAN_LAST.get(layer) != graph_id:
+            _RAN_LAST[layer] = graph_id
             _warn_if_layers_trace_apart(layer[0])
             if dump is not None:
                 dump.write_layer_runs(layer_runs())
@@ -125,7 +119,7 @@ _LAYER_GRAPHS_EXPECTED = 4
 def _warn_if_layers_trace_apart(sharding_id: int) -> None:
     """Warns as one model's layers come to run one graph more than `_LAYER_GRAPHS_EXPECTED`: their
     forwards read something that differs by layer, so compile time grows with depth."""
-    layers = [graph for (owner, _), graph in COMPILATION.layer_graphs.items() if owner == sharding_id]
+    layers = list(graphs_run_by(sharding_id).values())
     if len(set(layers)) == _LAYER_GRAPHS_EXPECTED + 1:
         warnings.warn(
             f"zeropp: Config.compile_layers_once has compiled {_LAYER_GRAPHS_EXPECTED + 1} graphs for "
@@ -138,4 +132,15 @@ def _warn_if_layers_trace_apart(sharding_id: int) -> None:
 
 def layer_runs() -> dict[str, int]:
     """How many layers ran each layer's graph last, by graph id."""
-    return dict(Counter(COMPILATION.layer_graphs.values()))
+    return dict(Counter(_RAN_LAST.values()))
+
+
+def graphs_run_by(sharding_id: int) -> dict[str, str]:
+    """The graph id each layer of the model `sharding_id` ran last, by the layer's qualified name."""
+    return {name: graph for (owner, name), graph in _RAN_LAST.items() if owner == sharding_id}
+
+
+def forget_model(sharding_id: int) -> None:
+    """Forgets which graphs a gone model's layers ran (`shard` gives its sharding id to a new one)."""
+    for layer in [layer for layer in _RAN_LAST if layer[0] == sharding_id]:
+        del _RAN_LAST[layer]

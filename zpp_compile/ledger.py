@@ -120,6 +120,38 @@ class GraphComm:
                    field_of(values, "secondary_bytes", int), model, frame, one_layer)
 
 
+class Ledger:
+    """Every graph compiled in this process that issues zeropp's collectives, in compile order:
+    what `comm_report()` reads. The pass manager enters each lowered graph (`enter`); `shard`
+    forgets a gone model's (`forget_model`); `reset_comm_report()` empties it."""
+
+    def __init__(self) -> None:
+        self._graphs: list[GraphComm] = []
+
+    @property
+    def graphs(self) -> tuple[GraphComm, ...]:
+        return tuple(self._graphs)
+
+    def enter(self, comm: GraphComm, replacing: GraphComm | None = None) -> None:
+        """Adds `comm`, in the place of the entry `replacing` where the ledger holds it."""
+        same = [i for i, g in enumerate(self._graphs) if replacing is not None and g is replacing]
+        if same:
+            self._graphs[same[0]] = comm
+        else:
+            self._graphs.append(comm)
+
+    def forget_model(self, sharding_id: int) -> None:
+        """Takes a gone model's graphs out (a new model that takes its sharding id would otherwise
+        count them twice in its report)."""
+        self._graphs = [g for g in self._graphs if g.model is None or g.model.sharding_id != sharding_id]
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+
+LEDGER = Ledger()  # the process's: written only through its methods
+
+
 def field_of(values: Any, key: str, kind: type | tuple[type, ...], minimum: int = 0) -> Any:
     """`values[key]` of JSON read back, checked to be a `kind` (an int: at least `minimum`); else
     a ValueError that says what was expected."""

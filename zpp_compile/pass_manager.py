@@ -11,12 +11,12 @@ import torch.fx as fx
 
 from .config import Config
 from .dump import GraphDump
-from .ledger import GraphComm, ShardedModel, collectives_in_graph
+from .ledger import LEDGER, GraphComm, ShardedModel, collectives_in_graph
 from .passes import PASSES, GraphPass, PassContext
 from .passes.base import SECONDARY_COPY
 from .passes.fx_util import is_backward, nodes_calling
 from .runtime.ops import gather_param_args
-from .runtime.registry import COMPILATION, REGISTRY
+from .runtime.registry import REGISTRY
 from .runtime.topology import Topology
 from .torch_compat import OpOverload, dynamo_timed, trace_structured
 
@@ -113,12 +113,13 @@ class PassManager:
     def record(self, comm: GraphComm, restored: bool = False) -> None:
         """Enters a compiled graph's collectives in the ledger. An entry `restored` from the compile
         cache is replaced if its graph is compiled after all (a backward compiled at its first use)."""
-        for entries in (self.graphs, COMPILATION.ledger):
-            same = [i for i, g in enumerate(entries) if g is self.restored.get(comm.graph_name)]
-            if same:
-                entries[same[0]] = comm
-            else:
-                entries.append(comm)
+        replacing = self.restored.get(comm.graph_name)
+        same = [i for i, g in enumerate(self.graphs) if replacing is not None and g is replacing]
+        if same:
+            self.graphs[same[0]] = comm
+        else:
+            self.graphs.append(comm)
+        LEDGER.enter(comm, replacing)
         if restored:
             self.restored[comm.graph_name] = comm
         else:

@@ -31,6 +31,8 @@ from . import leaf_modules, padding, stale_optimizers
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .grad_sync import gathered_weight
 from .layer_graphs import compile_layers_once, tie_across_graphs
+from .layer_graphs import forget_model as forget_layer_runs
+from .ledger import LEDGER
 from .module_state import HeldShards, ParamLayout, held_shards
 from .initialization import (
     MetaInit, accept_full_tensors, await_initialization, broadcast_buffers, check_initialized, children_first, listing,
@@ -38,7 +40,7 @@ from .initialization import (
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
 from .runtime.prefetch import forget_calls
-from .runtime.registry import COMPILATION, REGISTRY, ShardingState
+from .runtime.registry import REGISTRY, ShardingState
 from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
 from .torch_compat import TO_EMPTY_CONVERSION, ListedWithoutDynamoWalks, refuse_data_parallel
 
@@ -246,7 +248,8 @@ def _register(state: ShardingState) -> tuple[int, ShardingState]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, reusable)
     if reusable is not None and len(set(everyone)) == 1:
-        COMPILATION.forget_model(reusable)
+        LEDGER.forget_model(reusable)
+        forget_layer_runs(reusable)
         return reusable, REGISTRY.states[reusable]
     return REGISTRY.add_state(state), state
 
@@ -261,9 +264,14 @@ def _topology(config: Config) -> Topology:
     world_size = dist.get_world_size()
     ranks_per_node = config.ranks_per_node or launcher_ranks_per_node(world_size)
     config.check_topology(world_size, ranks_per_node)
-    key = (ranks_per_node, config.hpz_partition_size, config.collective_timeout_s)
+    # A default group destroyed and initialized again in this process (a notebook, a test) leaves
+    # the topologies built for the old one holding its dead groups: they go.
+    world = dist.group.WORLD
+    for stale in [key for key in REGISTRY.topologies if key[0] is not world]:
+        del REGISTRY.topologies[stale]
+    key = (world, ranks_per_node, config.hpz_partition_size, config.collective_timeout_s)
     if key not in REGISTRY.topologies:
-        REGISTRY.topologies[key] = build_topology(*key)
+        REGISTRY.topologies[key] = build_topology(*key[1:])
     return REGISTRY.topologies[key]
 
 
