@@ -112,6 +112,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -121,7 +122,6 @@ from zpp_compile.config import field_setting
 from zpp_compile.runtime.network_model import PRESETS, Network, network_from_preset
 from zpp_compile.runtime.simulated_group import COLLECTIVE_KERNEL, SimulatedWorld, init_simulated_world
 from zpp_compile.runtime.topology import world_received_bytes
-from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -64,9 +64,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from bench import (  # examples/bench.py (this folder)
+    LLAMA_SHAPES,
+    LlamaShape,
+    join_simulated_world,
+    llama,
+    variant_name,
+    variant_options,
+    variant_spec_error,
+)
 
-from bench import (LLAMA_SHAPES, LlamaShape, join_simulated_world, llama,  # examples/bench.py (this folder)
-                   variant_name, variant_options, variant_spec_error)
 from zpp_compile import text_table
 from zpp_compile.runtime.network_model import PRESETS, Network, network_from_preset
 

@@ -48,13 +48,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from bench import write_json  # examples/bench.py
+from gpt import (  # examples/gpt.py
+    GPT,
+    STDLIB,
+    GPTConfig,
+    as_tokens,
+    batch,
+    emulated_ranks_per_node,
+    init_distributed,
+    python_sources,
+    windows,
+)
 from torch.distributed.tensor import DTensor
 
 import zpp_compile as zpp
-from bench import write_json  # examples/bench.py
 from zpp_compile import text_table
-from gpt import (STDLIB, GPT, GPTConfig, as_tokens, batch, emulated_ranks_per_node, init_distributed,  # examples/gpt.py
-                 python_sources, windows)
 
 VARIANT_NAMES = ("zero3", "qwz", "qgz", "all3", "qgz_int4")
 CLIP_NORM = 1.0  # gradient clipping

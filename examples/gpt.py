@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 # ----------------------------------------------------------------------------- model
 
 

@@ -23,10 +23,10 @@ import time
 
 import torch
 import transformers
+from gpt import stdlib_bytes  # examples/gpt.py
 
 import zpp_compile as zpp
 from zpp_compile.integrations.transformers import ZeroppTrainer
-from gpt import stdlib_bytes  # examples/gpt.py
 
 # Decoder shapes: width, layers, attention heads, key/value heads, MLP width, vocabulary.
 SHAPES = {

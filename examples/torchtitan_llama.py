@@ -21,11 +21,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gpt import batch, init_distributed, stdlib_bytes  # examples/gpt.py
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import llama3_configs, model_registry
 
 import zpp_compile as zpp
-from gpt import batch, init_distributed, stdlib_bytes  # examples/gpt.py
 
 
 def parse_args() -> argparse.Namespace:

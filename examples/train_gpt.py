@@ -25,11 +25,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 from tqdm import tqdm
 
 import zpp_compile as zpp
 from zpp_compile import text_table
-from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed, stdlib_bytes  # examples/gpt.py
 
 # Each phase of a step: the ZeRO++ technique that rewrites it, and the Config field that switches it on.
 TECHNIQUES = {"forward weight gather": ("qwZ", "quantized_weights"),

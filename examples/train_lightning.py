@@ -21,10 +21,10 @@ import time
 
 import lightning as L
 import torch
+from gpt import GPT, GPTConfig, batch, stdlib_bytes  # examples/gpt.py
 
 import zpp_compile as zpp
 from zpp_compile.integrations.lightning import ZeroppStrategy
-from gpt import GPT, GPTConfig, batch, stdlib_bytes  # examples/gpt.py
 
 
 def parse_args() -> argparse.Namespace:

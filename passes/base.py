@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
 
 from ..runtime.ops import dequantize_weight_args, gather_param_args, reduce_grad_args
+from ..runtime.topology import Topology
 from .fx_util import layer_of
+
+if TYPE_CHECKING:  # the passes see the compiler's Config, never import it
+    from ..config import Config
 
 # Node metadata set on the gather of a parameter read in several places (gather_once): its weight
 # is held from the first read to the last, so bucketing keeps it apart from weights read once.
@@ -33,7 +37,7 @@ RECOMPUTED = "zpp_recomputed"
 SECONDARY_COPY = "zpp_secondary_copy"
 
 
-def weight_block_size(config: Any, gather: fx.Node) -> int:
+def weight_block_size(config: Config, gather: fx.Node) -> int:
     """The qwZ block size for a parameter gather (a rule the quantizing passes and bucketing
     share); 0 means gather it unquantized (qwZ off, a shard smaller than one block, which
     quantizing would not make smaller, or a bucket of such shards)."""
@@ -42,7 +46,7 @@ def weight_block_size(config: Any, gather: fx.Node) -> int:
     return block if wanted else 0
 
 
-def gradient_block_size(config: Any, reduction: fx.Node) -> int:
+def gradient_block_size(config: Config, reduction: fx.Node) -> int:
     """The qgZ block size for a gradient reduction; 0 means reduce it in full precision (qgZ off,
     a shard smaller than one block, whose scales would outweigh the saving, or a bucket of such)."""
     args = reduce_grad_args(reduction)
@@ -82,8 +86,8 @@ def weight_gathers(graph: fx.Graph) -> list[WeightGather]:
 
 @dataclass(frozen=True)
 class PassContext:
-    config: Any  # zpp_compile.Config
-    topology: Any  # zpp_compile.runtime.topology.Topology
+    config: Config  # this compilation's, with bucket_size="layer" replaced by the largest layer's bytes
+    topology: Topology
     graph_name: str  # e.g. "g0.backward"
     kind: str  # "joint", "forward", "backward" or "inference"
     layers: tuple[str, ...] = ()  # qualified names of the model's layers (ShardingState.layers)
@@ -109,7 +113,7 @@ class GraphPass:
     stage: str
     run: Callable[[fx.Graph, PassContext], None]
     # Whether the configuration asks for this pass at all (switching off by name is separate).
-    wanted: Callable[[Any], bool] = lambda config: True
+    wanted: Callable[[Config], bool] = lambda config: True
 
     @property
     def summary(self) -> str:

@@ -11,7 +11,13 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..torch_compat import (
-    AC_GRAPH_ID, IN_BACKWARD, PARTITIONER_TAG, RECOMPUTE, OpOverload, mutates_arguments, op_arguments,
+    AC_GRAPH_ID,
+    IN_BACKWARD,
+    PARTITIONER_TAG,
+    RECOMPUTE,
+    OpOverload,
+    mutates_arguments,
+    op_arguments,
 )
 from .base import RECOMPUTED, PassContext
 from .fx_util import ancestors, backward_nodes, nodes_calling, weight_chain

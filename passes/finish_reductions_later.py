@@ -27,7 +27,6 @@ from .base import PassContext
 from .fx_util import backward_nodes, program_source
 
 
-
 def finish_reductions_later(graph: fx.Graph, ctx: PassContext) -> None:
     """Turns the ends of a backward graph's last gradient reductions into one op run later."""
     if (not ctx.config.compile_layers_once or ctx.kind != "backward" or ctx.topology.world.size == 1

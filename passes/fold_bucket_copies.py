@@ -6,8 +6,13 @@ import torch
 import torch.fx as fx
 
 from ..runtime.buckets import join_shards, side_by_side
-from ..runtime.ops import (dequantize_weight_args, join_bucket_args, quantize_weight_args, split_bucket_args,
-                           split_bucket_reference)
+from ..runtime.ops import (
+    dequantize_weight_args,
+    join_bucket_args,
+    quantize_weight_args,
+    split_bucket_args,
+    split_bucket_reference,
+)
 from .base import PassContext
 from .fx_util import nodes_calling, replace_with_traced
 

@@ -64,7 +64,7 @@ def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
             gather.dtype)}
         with graph.inserting_before(first_backward_use):
             for node in chain[1:]:
-                rebuilt[node] = graph.node_copy(node, lambda arg: rebuilt.get(arg, arg))
+                rebuilt[node] = graph.node_copy(node, lambda arg, rebuilt=rebuilt: rebuilt.get(arg, arg))
                 rebuilt[node].meta.pop(RECOMPUTE, None)
         for node in chain:
             for user in list(node.users):

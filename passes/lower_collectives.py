@@ -6,8 +6,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime.collectives import all_gather
-from ..runtime.ops import (gather_flat_args, gather_param, gather_param_args, reduce_grad_args,
-                           reduce_grad_mean)
+from ..runtime.ops import gather_flat_args, gather_param, gather_param_args, reduce_grad_args, reduce_grad_mean
 from .base import PassContext
 from .fx_util import nodes_calling, replace_with_traced
 

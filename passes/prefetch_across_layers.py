@@ -23,7 +23,6 @@ from .base import PassContext
 from .fx_util import ancestors, backward_nodes, program_source
 
 
-
 def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
     """Turns a layer graph's first weight gather into one issued during the layer graph before."""
     if not ctx.one_layer or ctx.topology.world.size == 1:

@@ -6,7 +6,6 @@ import torch
 import torch.fx as fx
 
 from ..torch_compat import REALIZE_TO_STRIDES
-
 from .base import PassContext
 
 _aten = torch.ops.aten

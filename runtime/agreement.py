@@ -27,7 +27,8 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeoutError
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -37,11 +38,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..torch_compat import EXAMPLE_VALUE, default_store
-
-from .ops import gather_param_args
-from .registry import ShardingState
+from .ops import gather_param_args, param_gathers
 from .topology import Topology, one_process_world
-
 
 # How long a collective call (check_same_call) waits for the other ranks before it warns which have
 # not arrived: this, or a quarter of Config.collective_timeout_s if that is less. The usual cause,
@@ -61,14 +59,11 @@ class RankMismatchError(RuntimeError):
     what each rank was doing and where their collectives first differ."""
 
 
-def check_same_gathers(gm: fx.GraphModule, state: ShardingState, config: Any, graph_name: str) -> None:
+def check_same_gathers(gm: fx.GraphModule, topology: Topology, options: Mapping[str, Any], graph_name: str) -> None:
     """Raises RankMismatchError on every rank if the ranks are compiling Dynamo graphs that would
-    issue different collectives (see `gather_schedule`), `config` being this compilation's Config
-    and `state` the sharded model's; a schedule this rank has compared before for the same sharded
-    model passes at once."""
-    topology = state.topology
-    sharded = state.config.with_layer_size(state.layer_nbytes).to_dict()
-    options = {k: v for k, v in config.to_dict().items() if v != sharded[k] and k != "dump_dir"}
+    issue different collectives (see `gather_schedule`), `options` being the fields of this
+    compilation's Config that differ from the sharded model's (`Config.compiled_apart_from`); a
+    schedule this rank has compared before for the same sharded model passes at once."""
     schedule, sharding_ids = gather_schedule(gm, topology, options)
     digest = hashlib.sha256("\n".join(schedule).encode()).hexdigest()
     if topology.world_size == 1 or (sharding_ids, digest) in _AGREED:
@@ -92,17 +87,15 @@ def gather_schedule(
         roles[topology.secondary.name] = "hpZ secondary"
     schedule = [f"compile options {dict(sorted(options.items()))}"] if options else []
     sharding_ids = set()
-    gather = torch.ops.zpp.all_gather_param
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (gather, gather.default):
-            args = gather_param_args(node)
-            value = args.shard.meta.get(EXAMPLE_VALUE)
-            reduced = torch.is_grad_enabled() and value is not None and value.requires_grad
-            gradient = f", gradient reduced in {_name(args.reduce_dtype)}" if reduced else ", no gradient"
-            schedule.append(f"{_parameter(args.shard)}: {_name(args.dtype)} gather of {args.shard_size} elements per "
-                            f"rank over the {roles.get(str(args.group_name), 'other')} group ({args.group_size} ranks)"
-                            f"{gradient}")
-            sharding_ids.add(args.sharding_id)
+    for node in param_gathers(gm.graph):
+        args = gather_param_args(node)
+        value = args.shard.meta.get(EXAMPLE_VALUE)
+        reduced = torch.is_grad_enabled() and value is not None and value.requires_grad
+        gradient = f", gradient reduced in {_name(args.reduce_dtype)}" if reduced else ", no gradient"
+        schedule.append(f"{_parameter(args.shard)}: {_name(args.dtype)} gather of {args.shard_size} elements per "
+                        f"rank over the {roles.get(str(args.group_name), 'other')} group ({args.group_size} ranks)"
+                        f"{gradient}")
+        sharding_ids.add(args.sharding_id)
     return tuple(schedule), frozenset(sharding_ids)
 
 
@@ -189,7 +182,8 @@ class _Arrivals:
             f"zeropp: rank {self.rank} has waited {time.monotonic() - self.since:.0f} s in {self.call} for {who}. "
             f"{self.call} is a collective: call it on every rank (not only under `if rank == 0:`). A rank that is "
             "only slow (still compiling, finishing a step) ends this wait when it calls it; otherwise this rank "
-            "raises zpp.RankMismatchError when Config.collective_timeout_s has passed")
+            "raises zpp.RankMismatchError when Config.collective_timeout_s has passed",
+            stacklevel=1)  # raised inside the collective call, at a depth that varies with the API called
 
     def never_arrived(self) -> str:
         """For the error at the timeout: which ranks never made the call."""

@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 
 from ..torch_compat import INNER_COMPILE_CUDAGRAPHS, INNER_COMPILE_IS_BACKWARD, USER_VISIBLE_OUTPUTS, compile_fx_inner
+
+
 class CallWatch:
     """Ends the process when a graph's call has not finished on the GPU within its timeout."""
 

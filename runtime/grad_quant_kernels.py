@@ -78,7 +78,6 @@ from .grad_quant_tiles import (
 )
 from .triton_common import INF
 
-
 # ---- qgz_quantize ----------------------------------------------------------------------------
 
 @triton.jit

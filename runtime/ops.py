@@ -15,8 +15,8 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
-from torch.fx.operator_schemas import normalize_function
 import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
 
 from ..torch_compat import OpOverload, cuda_graph_unsafe_tags
 from . import grad_quant, prefetch, weight_quant  # noqa: F401  (register the quantization and prefetch ops)
@@ -443,6 +443,13 @@ class GatherPrefetchedArgs(NamedTuple):
     backward: bool
     group_size: int
     group_name: str
+
+
+def param_gathers(graph: fx.Graph) -> list[fx.Node]:
+    """The graph's calls of `zpp::all_gather_param`, in graph order (Dynamo's graphs call the op's
+    packet, AOTAutograd's its overload)."""
+    gather = torch.ops.zpp.all_gather_param
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in (gather, gather.default)]
 
 
 def gather_param_args(node: fx.Node) -> GatherParamArgs:

@@ -28,8 +28,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..torch_compat import (C10D_FUNCTIONAL, cuda_graph_unsafe_tags, dtensor_parts, in_autograd_backward,
-                            viewed_tensor, write_count)
+from ..torch_compat import (
+    C10D_FUNCTIONAL,
+    cuda_graph_unsafe_tags,
+    dtensor_parts,
+    in_autograd_backward,
+    viewed_tensor,
+    write_count,
+)
 from .layer_scope import running_layer
 from .programs import compiled_program
 from .registry import REGISTRY

@@ -73,8 +73,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..torch_compat import (GPU_SPIN_KERNEL, NamedProcessGroup, gpu_spin, route_all_gather_out_to_python_groups,
-                            serve_fake_backend)
+from ..torch_compat import (
+    GPU_SPIN_KERNEL,
+    NamedProcessGroup,
+    gpu_spin,
+    route_all_gather_out_to_python_groups,
+    serve_fake_backend,
+)
 from .network_model import Network, collective_seconds
 
 BACKEND = "zeropp_simulated"

@@ -14,15 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import transformers
+from distributed import device, run_ranks
+from extras import needs, optional
 
 import zpp_compile as zpp
 from zpp_compile.ledger import LEDGER
-from distributed import device, run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
+transformers = optional("transformers")
 MODES = ("none", "full", "selective")
 PER_RANK, SEQ = 2, 16
 GPT_CONFIG = GPTConfig(seq=SEQ, dim=32, heads=2, layers=2)
@@ -106,6 +107,7 @@ def saved_shapes() -> dict:
 
 
 @pytest.mark.distributed
+@needs("transformers")  # the fixture runs the HF Llama too
 def test_gpt_saves_layer_inputs_only_with_full(saved_shapes):
     b, t, d, heads, layers = PER_RANK, SEQ, GPT_CONFIG.dim, GPT_CONFIG.heads, GPT_CONFIG.layers
     residual, mlp, attention = (b, t, d), (b * t, 4 * d), (b, heads, t, d // heads)
@@ -122,6 +124,7 @@ def test_gpt_saves_layer_inputs_only_with_full(saved_shapes):
 
 
 @pytest.mark.distributed
+@needs("transformers")
 def test_llama_saves_less_with_checkpointing(saved_shapes):
     b, t, intermediate = PER_RANK, SEQ + 1, 72
     mlp = (b * t, intermediate)

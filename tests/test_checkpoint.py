@@ -14,18 +14,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from distributed import device, optimizer_steps, run_ranks
+from models import TinyTransformer, batches
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     get_state_dict,
     set_state_dict,
 )
+from training import needs_4_ranks
 
 import zpp_compile as zpp
 from zpp_compile.checkpoint import _PRIME, CHECKSUM_FILE, _checksum
-from distributed import device, optimizer_steps, run_ranks
-from models import TinyTransformer, batches
-from training import needs_4_ranks
 
 GLOBAL_BATCH, STEPS = 8, 4  # steps 0-1 at world 4, steps 2-3 at world 2
 

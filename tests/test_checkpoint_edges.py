@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from distributed import BACKEND, device, in_turn, run_ranks
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 import zpp_compile as zpp
 import zpp_compile.checkpoint as checkpoint
-from distributed import BACKEND, device, in_turn, run_ranks
 
 TIMEOUT_S = 4.0
 ROWS = 4  # samples per rank

@@ -16,18 +16,17 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn as nn
+from distributed import device, run_ranks
 from torch._dynamo.utils import counters
 
 import zpp_compile as zpp
 from zpp_compile import compile_cache
 from zpp_compile.compile_cache import PassCache, passes_key, to_local_as_method
+from zpp_compile.ledger import LEDGER, CommReport, GraphComm, Ledger, ShardedModel
 from zpp_compile.pass_manager import PassManager
-from zpp_compile.ledger import CommReport, GraphComm, ShardedModel
-from zpp_compile.ledger import LEDGER, Ledger
 from zpp_compile.runtime import prefetch
 from zpp_compile.runtime.registry import Registry, ShardingState
 from zpp_compile.runtime.topology import Group, Topology
-from distributed import device, run_ranks
 
 # All three techniques, 2 ranks as 2 emulated nodes: every zeropp op is in the cached graphs.
 ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 1,
@@ -223,7 +222,7 @@ def test_a_model_sharded_again_in_the_same_process_takes_the_gone_ones_id_and_hi
         env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
         env.setenv("PYTHONHASHSEED", "0")
         results = run_ranks(shard_again, 2)
-    for rank, result in enumerate(results):
+    for result in results:
         ids, before, after = result["ids"], result["before"], result["after"]
         # The gone model's id and graphs: served by the caches, with the same ledger and results.
         assert ids["again"] == ids["first"] and len({ids["first"], ids["twin"], ids["other"]}) == 3, ids

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import needs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -86,6 +87,7 @@ def test_a_second_cold_launch_is_refused(capsys):
     assert "'cold' can only be the first launch" in capsys.readouterr().err
 
 
+@needs("transformers")
 def test_a_simulated_worker_records_the_network_and_its_collectives_time(monkeypatch, tmp_path, capsys):
     """One launch's worker in this process (FSDP2 run eagerly: compilation is not what is checked)
     over a simulated world of 4 ranks in 2 nodes: its JSON keeps the model's parameters and the

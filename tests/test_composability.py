@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-import zpp_compile as zpp
-from zpp_compile.ledger import LEDGER
 from distributed import device, in_turn, optimizer_steps, run_ranks
 from models import CheckpointedTransformer, TinyTransformer, batches
 from training import PER_RANK, train_sharded
+
+import zpp_compile as zpp
+from zpp_compile.ledger import LEDGER
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

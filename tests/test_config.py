@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+from distributed import device, run_ranks
 
 import zpp_compile as zpp
-from distributed import device, run_ranks
 from zpp_compile import Config, ConfigError
 from zpp_compile.ledger import LEDGER
 

@@ -14,8 +14,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-from convergence import (interval, ordered_runs, parse_args, resumed_runs, study_settings,  # noqa: E402
-                         summarize, train_and_held_out, window_starts)
+from convergence import (  # noqa: E402
+    interval,
+    ordered_runs,
+    parse_args,
+    resumed_runs,
+    study_settings,
+    summarize,
+    train_and_held_out,
+    window_starts,
+)
 from gpt import STDLIB, python_sources, stdlib_sources, windows  # noqa: E402
 
 

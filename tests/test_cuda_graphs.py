@@ -7,12 +7,12 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-import zpp_compile as zpp
 from distributed import BACKEND, device, run_ranks
 from models import TinyTransformer, batches
+from torch.profiler import ProfilerActivity, profile
 from training import PER_RANK
+
+import zpp_compile as zpp
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

@@ -9,10 +9,10 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn as nn
-
-import zpp_compile as zpp
 from distributed import device, in_turn, run_ranks
 from models import TinyTransformer, batches
+
+import zpp_compile as zpp
 
 PER_RANK = 2
 

@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from distributed import BACKEND, device, run_ranks
 
 import zpp_compile as zpp
-from distributed import BACKEND, device, run_ranks
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

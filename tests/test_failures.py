@@ -13,12 +13,13 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from distributed import BACKEND, SERVER_PRELOAD, device, forks_ranks, in_turn, run_ranks
+from extras import needs
 
 import zpp_compile as zpp
-from distributed import BACKEND, SERVER_PRELOAD, device, forks_ranks, in_turn, run_ranks
 from zpp_compile.backend import zeropp_backend
-from zpp_compile.passes import PASSES
 from zpp_compile.ledger import LEDGER
+from zpp_compile.passes import PASSES
 
 TIMEOUT_S = 4.0
 
@@ -236,6 +237,7 @@ def test_a_failing_scenario_of_a_shared_group_is_named():
 
 
 @pytest.mark.skipif(BACKEND == "nccl", reason="GPU ranks always start as new interpreters")
+@needs("transformers")
 def test_importing_the_model_libraries_leaves_test_ranks_forked():
     # A rank started as a new interpreter costs seconds of imports; a variable that a library sets
     # when imported (Lightning sets one) must not make every later rank start that way. Test modules

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 import torch
+from distributed import spread
 
 from zpp_compile.runtime import grad_quant as gq
 from zpp_compile.runtime import grad_quant_format as gq_format
-from distributed import spread
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 C_BOUND = 0.5 + 2.0 ** -12

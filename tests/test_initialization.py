@@ -8,12 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import transformers
+from distributed import device, run_ranks
+from extras import needs, optional
+from models import TinyTransformer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 import zpp_compile as zpp
-from distributed import device, run_ranks
-from models import TinyTransformer
+
+transformers = optional("transformers")
 
 
 class ScaledBlock(nn.Module):
@@ -232,6 +234,7 @@ def initial_values_run(rank: int, world_size: int) -> dict[str, int]:
 
 
 @pytest.mark.distributed
+@needs("transformers")
 def test_meta_init_buffers_and_full_state_dicts_match_the_unsharded_model(monkeypatch):
     # glibc raises its mmap threshold as large blocks are freed, and then keeps freed blocks
     # resident, well above the memory alive. A fixed threshold returns freed blocks to the system,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from extras import needs
 from training import LOGGED_FP32
+
 from zpp_compile import launch
 
 SCRIPT = Path(__file__).parent / "scripts" / "run_clm.py"
@@ -105,6 +106,7 @@ def test_the_script_keeps_its_arguments_without_deepspeed(tmp_path):
     assert parsed.deepspeed == ZERO3 and parsed.options == {"compile_layers_once": True}
 
 
+@needs("transformers")
 def test_a_script_that_makes_no_trainer_is_warned_about(tmp_path):
     script = tmp_path / "own_loop.py"
     script.write_text("import sys\nassert sys.argv[1:] == ['--lr', '1']\n")
@@ -114,6 +116,7 @@ def test_a_script_that_makes_no_trainer_is_warned_about(tmp_path):
         launch.main([str(script), "--deepspeed", str(config), "--lr", "1"])
 
 
+@needs("transformers")
 def test_trainers_are_the_scripts_own_again_after_the_script(tmp_path):
     import transformers
 

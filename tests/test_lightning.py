@@ -12,13 +12,13 @@ import torch
 
 pytest.importorskip("lightning")
 import lightning as L  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from models import TinyTransformer  # noqa: E402
+from training import ADAM_FP32, LOGGED_FP32, assert_same_state  # noqa: E402
 
 import zpp_compile as zpp  # noqa: E402
 from zpp_compile.config import ConfigError  # noqa: E402
 from zpp_compile.integrations.lightning import ZeroppStrategy, ZeroppTrainerStrategy  # noqa: E402
-from distributed import run_ranks  # noqa: E402
-from models import TinyTransformer  # noqa: E402
-from training import ADAM_FP32, LOGGED_FP32, assert_same_state  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

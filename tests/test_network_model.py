@@ -8,8 +8,14 @@ import json
 
 import pytest
 
-from zpp_compile.runtime.network_model import (OPS, Link, Network, collective_seconds, network_from_preset,
-                                               with_overrides)
+from zpp_compile.runtime.network_model import (
+    OPS,
+    Link,
+    Network,
+    collective_seconds,
+    network_from_preset,
+    with_overrides,
+)
 
 MiB = 2**20
 NVLINK = Link(latency_s=2e-6, busbw_bytes_per_s=245e9, op_factors={"reduce_scatter": 229 / 245})

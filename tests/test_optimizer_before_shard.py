@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import zpp_compile as zpp
 from distributed import device, in_turn, run_ranks
 from models import TinyTransformer, batches
+
+import zpp_compile as zpp
 
 PER_RANK = 2
 

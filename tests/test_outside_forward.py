@@ -8,21 +8,21 @@ import collections
 import dataclasses
 import functools
 
-import peft
 import pytest
 import torch
 import torch.nn as nn
-import transformers
+from distributed import BACKEND, device, in_turn, run_ranks
+from extras import needs, optional
+from models import TinyTransformer, batches
 from torch.distributed.tensor import DTensor
+from training import PER_RANK
 
 import zpp_compile as zpp
 from zpp_compile.backend import zeropp_backend
 from zpp_compile.passes import PASSES, GraphPass
-from distributed import BACKEND, device, in_turn, run_ranks
-from models import TinyTransformer, batches
-from training import PER_RANK
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
+peft, transformers = optional("peft"), optional("transformers")
 
 STEPS = 4  # one before the edits, three after
 LM_STEPS = 3  # the HF models' runs
@@ -221,6 +221,7 @@ def lora_after_shard_run(rank: int, world_size: int) -> None:
         model(input_ids=tokens, labels=tokens)
 
 
+@needs("peft", "transformers")
 def test_peft_lora(tmp_path):
     calls = [(lora_run, mode, str(tmp_path / mode)) for mode in ("eager", "aot")] + [(lora_after_shard_run,)]
     run_ranks(in_turn, 2, calls)
@@ -269,6 +270,7 @@ def moe_without_leaf_run(rank: int, world_size: int) -> str:
     return str(error.value)
 
 
+@needs("transformers")
 def test_leaf_modules_mixture_of_experts():
     results = run_ranks(in_turn, 2, [(moe_run, "eager"), (moe_run, "aot"), (moe_without_leaf_run,)])
     for mode in range(2):

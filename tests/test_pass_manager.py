@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 import zpp_compile as zpp
-from zpp_compile import pass_manager
+from zpp_compile import pass_observers
 from zpp_compile.pass_manager import PassManager
 from zpp_compile.runtime.topology import Group, Topology
 
@@ -21,17 +21,17 @@ def one_rank() -> Topology:
 
 def test_every_pass_is_logged_and_traced(caplog, monkeypatch):
     traced = []
-    monkeypatch.setattr(pass_manager, "trace_structured",
+    monkeypatch.setattr(pass_observers, "trace_structured",
                         lambda kind, metadata_fn, payload_fn: traced.append((kind, metadata_fn(), payload_fn())))
     # One of zeropp's ops, as any graph of a sharded model has.
     graph = fx.symbolic_trace(lambda x: torch.ops.zpp.quantize_weight.default(torch.relu(x) + 1, 32)).graph
     manager = PassManager(zpp.Config(), one_rank(), "g5")
-    with caplog.at_level(logging.DEBUG, logger="zpp_compile.pass_manager"):
+    with caplog.at_level(logging.DEBUG, logger="zpp_compile.pass_observers"):
         manager.run("lowering", graph)
     # A graph without a joint stage (inference) gets the joint passes first.
     ran = [(f"g5.{'joint' if p.stage == 'joint' else 'forward'}", p.name) for p in manager.passes]
     assert {stage for stage, _ in ran} == {"g5.joint", "g5.forward"}
-    ours = [r for r in caplog.records if r.name == "zpp_compile.pass_manager"]  # not other libraries' records
+    ours = [r for r in caplog.records if r.name == "zpp_compile.pass_observers"]  # not other libraries' records
     assert [tuple(r.getMessage().split(",")[0].split(": ")) for r in ours] == ran
     assert [meta["name"] for _, meta, _ in traced] == [f"zeropp_{graph}_{name}" for graph, name in ran]
     assert all(kind == "artifact" and "relu" in code for kind, _, code in traced)

@@ -15,9 +15,8 @@ dtypes, and the recompute tags the partitioner obeys.
 
 from __future__ import annotations
 
-import operator
-
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,6 +32,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy
 
 import zpp_compile as zpp
+from zpp_compile.ledger import collectives_in_graph
 from zpp_compile.passes import PASSES, PassContext
 from zpp_compile.passes.base import READ_REPEATEDLY, RECOMPUTED, SECONDARY_COPY, weight_gathers
 from zpp_compile.passes.checkpoint_activations import checkpoint_activations
@@ -46,11 +46,16 @@ from zpp_compile.passes.quantize_gradients import quantize_gradients
 from zpp_compile.passes.quantize_weights import quantize_weights
 from zpp_compile.passes.reshard_after_forward import reshard_after_forward
 from zpp_compile.passes.schedule_overlap import schedule_overlap
-from zpp_compile.runtime.grad_quant_format import piece_bytes
-from zpp_compile.ledger import collectives_in_graph
-from zpp_compile.runtime.ops import (dequantize_weight_args, gather_flat_args, gather_param_args,
-                                     gather_prefetched_args, quantize_weight_args, reduce_grad_args)
 from zpp_compile.runtime.deferred_reductions import FINISH_REDUCTIONS_LATER
+from zpp_compile.runtime.grad_quant_format import piece_bytes
+from zpp_compile.runtime.ops import (
+    dequantize_weight_args,
+    gather_flat_args,
+    gather_param_args,
+    gather_prefetched_args,
+    quantize_weight_args,
+    reduce_grad_args,
+)
 from zpp_compile.runtime.programs import compiled_program
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.torch_compat import C10D_FUNCTIONAL, RECOMPUTE, USER_VISIBLE_OUTPUTS

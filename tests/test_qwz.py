@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import zpp_compile as zpp
-from zpp_compile.ledger import LEDGER
 from distributed import device, run_ranks
 from models import TinyTransformer, batches
 from training import needs_4_ranks, qwz_runs
+
+import zpp_compile as zpp
+from zpp_compile.ledger import LEDGER
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

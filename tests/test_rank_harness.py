@@ -7,9 +7,8 @@ from __future__ import annotations
 import ctypes
 import os
 
-import pytest
-
 import distributed
+import pytest
 from distributed import run_ranks
 
 pytestmark = pytest.mark.distributed

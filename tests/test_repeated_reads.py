@@ -9,14 +9,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import transformers
+from distributed import device, run_ranks
+from extras import needs, optional
+from models import TinyTransformer, batches
 
 import zpp_compile as zpp
 from zpp_compile.ledger import LEDGER, PHASES
-from distributed import device, run_ranks
-from models import TinyTransformer, batches
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
+transformers = optional("transformers")
 
 PER_RANK = 2
 
@@ -148,6 +149,7 @@ def shared_layers_run(rank: int, world_size: int) -> None:
         assert_same_gradients(accumulate(model, compiled(model, mode), window, mine, split_last=False), expected)
 
 
+@needs("transformers")
 def test_shared_layers_accumulate_their_kept_gradient_once():
     run_ranks(shared_layers_run, 2)
 

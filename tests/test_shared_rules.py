@@ -6,8 +6,16 @@ from __future__ import annotations
 import torch
 
 from zpp_compile import padding, text_table
-from zpp_compile.runtime.topology import (bytes_per_peer, local_index_groups, node_groups, peers_by_link,
-                                          received_bytes, secondary_groups, secondary_member, world_received_bytes)
+from zpp_compile.runtime.topology import (
+    bytes_per_peer,
+    local_index_groups,
+    node_groups,
+    peers_by_link,
+    received_bytes,
+    secondary_groups,
+    secondary_member,
+    world_received_bytes,
+)
 
 
 def test_peers_are_counted_by_link_from_the_ranks_place():

@@ -19,9 +19,14 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from zpp_compile.runtime.network_model import collective_seconds, network_from_preset
+from zpp_compile.runtime.simulated_group import (
+    BACKEND,
+    SimulatedGroup,
+    SimulatedWorld,
+    current_world,
+    init_simulated_world,
+)
 from zpp_compile.runtime.topology import one_process_world
-from zpp_compile.runtime.simulated_group import BACKEND, SimulatedGroup, SimulatedWorld, current_world, \
-    init_simulated_world
 
 C10D = torch.ops._c10d_functional
 # A slow network: 1 MB/s inside a node (every op at that rate), 0.5 MB/s between nodes, so a few

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("torchtitan")
+from distributed import run_ranks  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 import zpp_compile as zpp  # noqa: E402
-from distributed import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

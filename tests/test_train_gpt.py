@@ -8,8 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-import zpp_compile as zpp  # noqa: E402
 from train_gpt import comm_summary, describe  # noqa: E402
+
+import zpp_compile as zpp  # noqa: E402
 from zpp_compile.ledger import CommReport, CommRow  # noqa: E402
 
 PHASES = ("forward weight gather", "backward weight gather", "gradient reduction")

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from distributed import BACKEND, device, in_turn, run_ranks
+from training import BLOCK, qwz_runs, train_sharded
 
 import zpp_compile as zpp
 from zpp_compile.explain import predict
-from distributed import BACKEND, device, in_turn, run_ranks
-from training import BLOCK, qwz_runs, train_sharded
 
 pytestmark = [
     pytest.mark.distributed,

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from distributed import device, for_each_config, run_ranks
+from models import GraphBreakTransformer, TinyTransformer, batches
+from training import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
 
 import zpp_compile as zpp
 from zpp_compile import backend, local_shards
 from zpp_compile.backend import zeropp_backend
+from zpp_compile.ledger import LEDGER
 from zpp_compile.passes import PASSES, GraphPass
 from zpp_compile.runtime.topology import collective_device
-from zpp_compile.ledger import LEDGER
-from distributed import device, for_each_config, run_ranks
-from models import GraphBreakTransformer, TinyTransformer, batches
-from training import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
 
 
 @pytest.mark.distributed

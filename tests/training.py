@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import zpp_compile as zpp
 from distributed import BACKEND, device
 from models import TinyTransformer, batches
+
+import zpp_compile as zpp
 
 STEPS, PER_RANK = 3, 2
 BLOCK = 64  # qwZ's block in qwz_runs: small, so that the tiny model's weights are quantized at world 2 and 4

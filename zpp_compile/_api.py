@@ -4,17 +4,16 @@ importing the package alone loads no torch, so `zeropp --help` answers at once."
 
 from torch import nn
 
-from .config import Config, ConfigError
-from .runtime.agreement import RankMismatchError
-from .runtime.cuda_graphs import release_cuda_graphs
-from .ledger import LEDGER, CommReport
-from .runtime.registry import REGISTRY
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .config import Config, ConfigError
 from .grad_sync import no_sync, set_requires_gradient_sync
 from .initialization import load_full_state_dict
 from .layer_graphs import layer_runs
+from .ledger import LEDGER, CommReport
+from .runtime.agreement import RankMismatchError
+from .runtime.cuda_graphs import release_cuda_graphs
+from .runtime.registry import REGISTRY
 from .sharding import full_state_dict, shard
-
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch.distributed.tensor import DTensor
 
 from .added_parameters import added_after_shard, names_in_sharded_models
 from .compile_cache import PassCache, to_local_as_method
@@ -34,11 +34,16 @@ from .passes import PASSES, GraphPass
 from .runtime.agreement import check_same_gathers
 from .runtime.collectives import gathers_into_given_output
 from .runtime.cuda_graphs import graphed_inner_compile
-from .runtime.ops import RUN_TIME_GATHERS, gather_param_args
 from .runtime.layer_scope import running_layer
+from .runtime.ops import RUN_TIME_GATHERS, gather_param_args, param_gathers
 from .runtime.registry import REGISTRY, ShardingState
 from .torch_compat import (
-    CustomGraphPass, aot_autograd, compile_fx, compile_fx_inner, dynamo_frame_id, inductor_mode_options,
+    CustomGraphPass,
+    aot_autograd,
+    compile_fx,
+    compile_fx_inner,
+    dynamo_frame_id,
+    inductor_mode_options,
 )
 
 log = logging.getLogger(__name__)  # TORCH_LOGS="zpp_compile" shows it
@@ -75,7 +80,9 @@ def zeropp_backend(
                           _frame(example_inputs), passes, buckets_within_layers, one_layer)
     if not any(p.name == "lower_collectives" for p in manager.passes):  # zeropp's IR ops run as they are
         RUN_TIME_GATHERS.unlowered_graphs = True
-    check_same_gathers(gm, state, config, manager.graph_id)  # before anything is compiled or run
+    # Before anything is compiled or run: every rank compiles the same collectives.
+    check_same_gathers(gm, state.topology, config.compiled_apart_from(state.config.with_layer_size(state.layer_nbytes)),
+                       manager.graph_id)
     to_local_as_method(gm)
     example_inputs, shard_positions = local_shard_inputs(gm, example_inputs)
     if not any(isinstance(x, DTensor) for x in example_inputs):
@@ -204,9 +211,7 @@ def _devices(example_inputs: Sequence[Any]) -> set[str]:
 
 def _sharding_state(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> ShardingState | None:
     """The state of the sharded model whose parameters the graph gathers; errors on unsharded ones."""
-    gather = torch.ops.zpp.all_gather_param
-    ids = {gather_param_args(n).sharding_id for n in gm.graph.nodes
-           if n.op == "call_function" and n.target in (gather, gather.default)}
+    ids = {gather_param_args(n).sharding_id for n in param_gathers(gm.graph)}
     states = {i: REGISTRY.states[i] for i in ids}
     _refuse_unsharded(example_inputs, reads_shards=bool(states))
     if len(states) > 1:

@@ -37,15 +37,12 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
+from .config import GRAPH_NEUTRAL_FIELDS
 from .ledger import GraphComm
 from .torch_compat import DYNAMO_TO_LOCAL_CLOSURE, dtensor_cache_keys_stable, inductor_cache_dir, inductor_config
 
 if TYPE_CHECKING:
     from .pass_manager import PassManager
-
-# Config fields that change no graph: where dumps go, and how long a collective may wait.
-_GRAPH_NEUTRAL_FIELDS = ("dump_dir", "collective_timeout_s")
-
 
 @functools.cache
 def pass_code_version() -> str:
@@ -63,7 +60,7 @@ def pass_code_version() -> str:
 
 def passes_key(manager: PassManager) -> str:
     """What, besides the incoming graph, decides what `manager`'s passes produce."""
-    config = {k: v for k, v in manager.config.to_dict().items() if k not in _GRAPH_NEUTRAL_FIELDS}
+    config = {k: v for k, v in manager.config.to_dict().items() if k not in GRAPH_NEUTRAL_FIELDS}
     topology = manager.topology
     groups = {role: [group.name, list(group.ranks)] if group else None
               for role, group in (("world", topology.world), ("intra_node", topology.intra_node),

@@ -59,6 +59,12 @@ _MAX_TIMEOUT_S = 365 * 24 * 3600.0
 # Every other field is read when a graph is compiled and may be overridden per compilation.
 SHARD_FIELDS = ("hpz_partition_size", "ranks_per_node", "param_dtype", "reduce_dtype", "collective_timeout_s",
                 "compile_layers_once", "leaf_modules")
+# Fields that may differ between ranks (a dump folder may name each rank's own path): the checks
+# that ranks agree leave them out.
+PER_RANK_FIELDS = ("dump_dir",)
+# Fields that change no compiled graph (where dumps go, how long a collective may wait): the compile
+# cache's key leaves them out.
+GRAPH_NEUTRAL_FIELDS = ("dump_dir", "collective_timeout_s")
 
 
 class ConfigError(ValueError):
@@ -257,6 +263,13 @@ class Config:
     def with_layer_size(self, layer_nbytes: int) -> Config:
         """This config with bucket_size="layer" replaced by `layer_nbytes`."""
         return self.updated({"bucket_size": layer_nbytes}) if self.bucket_size == "layer" else self
+
+    def compiled_apart_from(self, sharded: Config) -> dict[str, Any]:
+        """The fields of this config (a compilation's) that differ from `sharded` (the model's, its
+        layer size applied), less those that may differ by rank (`PER_RANK_FIELDS`): what every
+        rank's compilation must agree on besides the model's."""
+        theirs = sharded.to_dict()
+        return {k: v for k, v in self.to_dict().items() if v != theirs[k] and k not in PER_RANK_FIELDS}
 
     def with_environment(self) -> Config:
         """This config with the debugging switches of the environment applied (what `zeropp dump`

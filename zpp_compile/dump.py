@@ -14,16 +14,18 @@ With Config.compile_layers_once, `layer_runs.json` says how many layers ran each
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 
 from .ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, zeropp_groups
+from .pass_observers import PassObserver, PassRun
 from .runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
 from .runtime.topology import Topology, bytes_per_peer
 from .torch_compat import C10D_FUNCTIONAL, OpOverload
@@ -49,13 +51,22 @@ def op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-class GraphDump:
-    """Writes one rank's dump files."""
+class GraphDump(PassObserver):
+    """Writes one rank's dump files, watching the pass manager."""
 
     def __init__(self, dump_dir: str, topology: Topology) -> None:
         self.folder = Path(dump_dir) / f"rank{topology.rank}"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.topology = topology
+
+    @contextlib.contextmanager
+    def watching(self, run: PassRun, graph: fx.Graph) -> Iterator[None]:
+        before = self.snapshot(graph)
+        yield
+        self.write_pass(str(run), before, graph)
+
+    def lowered(self, comm: GraphComm, graph: fx.Graph) -> None:
+        self.write_graph(comm, graph)
 
     def snapshot(self, graph: fx.Graph) -> GraphSnapshot:
         return GraphSnapshot(_code(graph), Counter(op_name(n) for n in graph.nodes), self._collectives(graph))

@@ -23,11 +23,17 @@ import torch
 
 from . import padding, text_table
 from .config import Config, ConfigError
+from .ledger import PHASES
 from .pass_manager import enabled_passes
 from .runtime.grad_quant_format import piece_bytes
-from .runtime.topology import (local_index_groups, node_groups, peers_by_link, received_bytes, secondary_groups,
-                               world_received_bytes)
-from .ledger import PHASES
+from .runtime.topology import (
+    local_index_groups,
+    node_groups,
+    peers_by_link,
+    received_bytes,
+    secondary_groups,
+    world_received_bytes,
+)
 from .runtime.weight_quant_format import packed_weight_bytes
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .module_state import held_shards
+from .module_state import class_name, held_shards
 from .runtime.agreement import check_same_eager_gather
 from .runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal, eager_read
 from .runtime.registry import REGISTRY
@@ -147,7 +147,7 @@ def _check_same_gather(module: nn.Module, name: str) -> None:
     """Run eagerly: every rank gathers this parameter now, or every rank raises (`runtime.agreement`)."""
     layout = module._zpp.layouts[name]
     topology = REGISTRY.states[layout.sharding_id].topology
-    holder = type(module).__name__.removeprefix("Sharded")
+    holder = class_name(module)
     what = f"{holder}.{name} (parameter {layout.index}, shape {tuple(layout.shape)})"
     check_same_eager_gather(topology, layout.sharding_id, layout.index, what)
 

@@ -8,6 +8,7 @@ the volume of a step is known without running it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -108,7 +109,7 @@ class GraphComm:
             model = _within("model", lambda: ShardedModel(
                 field_of(model, "sharding_id", int), field_of(model, "padded_numel", int),
                 field_of(model, "world_size", int, minimum=1), field_of(model, "ranks_per_node", int, minimum=1)))
-        records = tuple(_within(f"collectives[{index}]", lambda: CollectiveRecord.from_dict(record))
+        records = tuple(_within(f"collectives[{index}]", functools.partial(CollectiveRecord.from_dict, record))
                         for index, record in enumerate(field_of(values, "collectives", list)))
         frame = values.get("frame") if isinstance(values, dict) else None
         if frame is not None and (type(frame) is not int or frame < 0):

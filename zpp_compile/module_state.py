@@ -15,6 +15,15 @@ import torch.nn as nn
 
 from .forward_scope import ForwardScope
 
+# The class `shard` gives a module holding shards is named this, then the module's own class name.
+SHARDED_CLASS_PREFIX = "Sharded"
+
+
+def class_name(module: nn.Module) -> str:
+    """The name of `module`'s class as the user wrote it (a sharded module's less the prefix)."""
+    return type(module).__name__.removeprefix(SHARDED_CLASS_PREFIX)
+
+
 # What gathering a parameter reads (`ParamLayout.gather_args`): its element count and shape, then
 # the arguments of `zpp::all_gather_param` after the shard (shard_size, group_size, group_name,
 # dtype, reduce_dtype, sharding_id).

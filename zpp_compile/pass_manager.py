@@ -1,9 +1,9 @@
-"""Runs the passes of one stage over a graph: in order, each switchable, each able to dump."""
+"""Runs the passes of one stage over a graph: in order, each switchable, each watched by the observers
+(`pass_observers`: the trace, a dump)."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Iterator, Sequence
 
 import torch
@@ -12,15 +12,14 @@ import torch.fx as fx
 from .config import Config
 from .dump import GraphDump
 from .ledger import LEDGER, GraphComm, ShardedModel, collectives_in_graph
+from .pass_observers import PassObserver, PassRun, PassTrace
 from .passes import PASSES, GraphPass, PassContext
 from .passes.base import SECONDARY_COPY
 from .passes.fx_util import is_backward, nodes_calling
 from .runtime.ops import gather_param_args
 from .runtime.registry import REGISTRY
 from .runtime.topology import Topology
-from .torch_compat import OpOverload, dynamo_timed, trace_structured
-
-log = logging.getLogger(__name__)  # TORCH_LOGS="+zpp_compile" shows it
+from .torch_compat import OpOverload, dynamo_timed
 
 
 def enabled_passes(config: Config, passes: Sequence[GraphPass] = PASSES) -> list[GraphPass]:
@@ -65,6 +64,7 @@ class PassManager:
         self.graphs: list[GraphComm] = []  # this Dynamo graph's entries of the ledger
         self.restored: dict[str, GraphComm] = {}  # those read from the compile cache, by graph name
         self.dump = GraphDump(config.dump_dir, topology) if config.dump_dir is not None else None
+        self.observers: list[PassObserver] = [PassTrace(), *([self.dump] if self.dump else [])]
 
     def run(self, stage: str, graph: fx.Graph) -> None:
         """Runs every enabled pass of `stage`; after lowering, records the graph's collectives.
@@ -83,20 +83,14 @@ class PassManager:
                           self.buckets_within_layers, self.one_layer, self.shard_inputs)
         self.model = self.model or self._sharded_model(graph)
         for index, graph_pass in enumerate(p for p in self.passes if p.stage == stage):
-            before = self.dump.snapshot(graph) if self.dump else None
-            # Timed as torch.compile times its own phases: torch._dynamo.utils.compile_times() lists each pass.
-            nodes_before = len(graph.nodes)
-            with _naming_pass_on_oom(graph_pass.name, ctx.graph_name), dynamo_timed(f"zeropp.{graph_pass.name}"):
-                graph_pass.run(graph, ctx)
-                graph.lint()
-            log.debug("%s: %s, %d -> %d nodes", ctx.graph_name, graph_pass.name, nodes_before, len(graph.nodes))
-            trace_structured(  # beside Inductor's own graphs in TORCH_TRACE / tlparse
-                "artifact",
-                metadata_fn=lambda: {"name": f"zeropp_{ctx.graph_name}_{graph_pass.name}", "encoding": "string"},
-                payload_fn=lambda: graph.python_code("self").src,
-            )
-            if self.dump:
-                self.dump.write_pass(f"{ctx.graph_name}.{stage}.{index:02d}.{graph_pass.name}", before, graph)
+            run = PassRun(ctx.graph_name, stage, index, graph_pass.name)
+            with contextlib.ExitStack() as watched:
+                for observer in self.observers:
+                    watched.enter_context(observer.watching(run, graph))
+                # Timed as torch.compile times its own phases: torch._dynamo.utils.compile_times() lists each pass.
+                with _naming_pass_on_oom(graph_pass.name, ctx.graph_name), dynamo_timed(f"zeropp.{graph_pass.name}"):
+                    graph_pass.run(graph, ctx)
+                    graph.lint()
         if stage == "joint":
             self.secondary_bytes = sum(
                 n.meta["val"].nbytes for n in graph.nodes if n.meta.get(SECONDARY_COPY)
@@ -107,8 +101,8 @@ class PassManager:
             comm = GraphComm(ctx.graph_name, kind, collectives_in_graph(graph, self.topology), secondary, self.model,
                              self.frame, self.one_layer)
             self.record(comm)
-            if self.dump:
-                self.dump.write_graph(comm, graph)
+            for observer in self.observers:
+                observer.lowered(comm, graph)
 
     def record(self, comm: GraphComm, restored: bool = False) -> None:
         """Enters a compiled graph's collectives in the ledger. An entry `restored` from the compile

@@ -25,18 +25,24 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from .added_parameters import added_after_shard
-from .config import Config, ConfigError
 from . import leaf_modules, padding, stale_optimizers
+from .added_parameters import added_after_shard
+from .config import PER_RANK_FIELDS, Config, ConfigError
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .grad_sync import gathered_weight
+from .initialization import (
+    MetaInit,
+    accept_full_tensors,
+    await_initialization,
+    broadcast_buffers,
+    check_initialized,
+    children_first,
+    listing,
+)
 from .layer_graphs import compile_layers_once, tie_across_graphs
 from .layer_graphs import forget_model as forget_layer_runs
 from .ledger import LEDGER
-from .module_state import HeldShards, ParamLayout, held_shards
-from .initialization import (
-    MetaInit, accept_full_tensors, await_initialization, broadcast_buffers, check_initialized, children_first, listing,
-)
+from .module_state import SHARDED_CLASS_PREFIX, HeldShards, ParamLayout, class_name, held_shards
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
 from .runtime.prefetch import forget_calls
@@ -219,7 +225,7 @@ def _check_same_on_every_rank(model: nn.Module, config: Config) -> None:
     structure = hashlib.sha256(
         repr([(name, tuple(p.shape), str(p.dtype), p.is_meta) for name, p in model.named_parameters()]).encode()
     ).hexdigest()
-    settings = {k: v for k, v in config.to_dict().items() if k != "dump_dir"}  # may name a per-rank path
+    settings = {k: v for k, v in config.to_dict().items() if k not in PER_RANK_FIELDS}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (settings, structure))
     for rank, (theirs, their_structure) in enumerate(everyone):
@@ -325,7 +331,8 @@ def _gathering_class(cls: type, names: frozenset[str], in_leaf: bool) -> type:
 
         body = {name: gathered(name) for name in sorted(names)}
         body.update(_apply=_apply, __setattr__=__setattr__, forward=counting_forward(cls.forward))
-        REGISTRY.gathering_classes[key] = type(f"Sharded{cls.__name__}", (ListedWithoutDynamoWalks, cls), body)
+        sharded_name = f"{SHARDED_CLASS_PREFIX}{cls.__name__}"
+        REGISTRY.gathering_classes[key] = type(sharded_name, (ListedWithoutDynamoWalks, cls), body)
     return REGISTRY.gathering_classes[key]
 
 
@@ -351,7 +358,7 @@ def _assign_parameter(module: nn.Module, name: str, value: Any) -> None:
     optimizer made before holds the old parameter."""
     held = held_shards(module)
     state = REGISTRY.states[held.sharding_id]
-    layouts, where = dict(held.layouts), f"{type(module).__name__.removeprefix('Sharded')}.{name}"
+    layouts, where = dict(held.layouts), f"{class_name(module)}.{name}"
     is_shard = False  # another module's shard assigned here: a tie
     if value is None:
         layouts.pop(name, None)

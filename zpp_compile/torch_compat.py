@@ -26,34 +26,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
+
+# How many graphs Dynamo compiles for one frame before it runs the frame eagerly; a layer's own
+# frame (compile_layers_once) gets a cap of its own.
+from torch._dynamo import config as dynamo_config
+
+# Debug mode: the passes under AOTAutograd without Inductor (how torch builds such backends).
+from torch._dynamo.backends.common import aot_autograd  # noqa: F401
+
+# Each pass's time in torch's compile-time report, its graph in TORCH_TRACE (tlparse).
+from torch._dynamo.utils import dynamo_timed  # noqa: F401
+
+# Which Python frame a graph was compiled for (dynamo_frame_id).
+from torch._guards import (
+    CompileContext,
+    detect_fake_mode,  # noqa: F401
+)
+
+# Checking Config.inductor_options' names and whether Inductor's caches are on; the caches'
+# folder, where the communication ledger's record of a cached graph goes.
+from torch._inductor import config as inductor_config  # noqa: F401
 
 # Inductor, entered as a custom backend does. Public torch.compile hands a backend no way to
 # patch Inductor's config for one compilation (the pass hooks, per-graph settings) or to wrap
 # its inner compile (CUDA graphs); these are the functions torch's own backends call.
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: F401  (re-exported)
+
 # The interface Inductor's custom-pass hooks take, with the uuid() its caches key on.
 from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: F401
-# Checking Config.inductor_options' names and whether Inductor's caches are on; the caches'
-# folder, where the communication ledger's record of a cached graph goes.
-from torch._inductor import config as inductor_config  # noqa: F401
-from torch._inductor.runtime.runtime_utils import cache_dir as inductor_cache_dir  # noqa: F401
-# Inductor's folder for a device's compiled Triton kernels (TRITON_CACHE_DIR when the user set it).
-from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
-# Debug mode: the passes under AOTAutograd without Inductor (how torch builds such backends).
-from torch._dynamo.backends.common import aot_autograd  # noqa: F401
+
 # Replacement subgraphs are traced with Inductor's decompositions and the graph's own fake mode,
 # as Inductor's passes trace theirs.
 from torch._inductor.decomposition import select_decomp_table  # noqa: F401
-from torch._guards import detect_fake_mode  # noqa: F401
-# Which Python frame a graph was compiled for (dynamo_frame_id).
-from torch._guards import CompileContext
-# Each pass's time in torch's compile-time report, its graph in TORCH_TRACE (tlparse).
-from torch._dynamo.utils import dynamo_timed  # noqa: F401
+
+# Inductor's folder for a device's compiled Triton kernels (TRITON_CACHE_DIR when the user set it).
+from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+from torch._inductor.runtime.runtime_utils import cache_dir as inductor_cache_dir  # noqa: F401
 from torch._logging import trace_structured  # noqa: F401
-# How many graphs Dynamo compiles for one frame before it runs the frame eagerly; a layer's own
-# frame (compile_layers_once) gets a cap of its own.
-from torch._dynamo import config as dynamo_config
+from torch.distributed.tensor import DTensor
 
 NN_MODULE_STACK = "nn_module_stack"
 FWD_NN_MODULE_STACK = "fwd_nn_module_stack"

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+
 # Fabric's `no_backward_sync` asks the strategy's `_backward_sync_control` (no public base for it).
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy as TrainerModelParallelStrategy
