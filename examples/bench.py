@@ -101,12 +101,14 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -287,12 +289,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-bytes", type=int, default=8_000_000)
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--png", help="write a bar chart here (rank 0; needs matplotlib)")
+    p.add_argument("--chart-from", metavar="JSON", help="draw --png from a recorded run's --json file, running nothing")
     args = p.parse_args(argv)
     specs = variant_specs(args.variants) if args.variants else []
     systems = {name: variant.system for name, variant in all_variants(1, torch.bfloat16).items()}
     for spec in specs:
         if (error := variant_spec_error(spec, systems)) is not None:
             p.error(f"--variants {spec}: {error}")
+    if args.chart_from and not args.png:
+        p.error(f"--chart-from {args.chart_from}: give --png PATH, where the chart goes")
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: give 1 or more")
     if args.warmup is not None and args.warmup < 1:
@@ -1023,6 +1028,9 @@ def breakdown_table(results: list[dict[str, Any]]) -> str | None:
 
 
 def plot(results: list[dict[str, Any]], title: str, path: str) -> None:
+    """A bar chart per measure (tokens/s, bytes received from other nodes, peak memory), one bar per
+    variant under its label, each bar's value written on it; a value not measured (DeepSpeed's
+    bytes, memory off GPUs) gets no bar and says so, never a bar of 0."""
     try:
         import matplotlib
     except ImportError:
@@ -1031,22 +1039,51 @@ def plot(results: list[dict[str, Any]], title: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["name"] for r in results]
+    labels = [textwrap.fill(r.get("label") or r["name"], 18) for r in results]
     colors = [{"fsdp2": "tab:gray", "deepspeed": "tab:orange"}.get(r["system"], "tab:blue") for r in results]
-    panels = [("tokens/s", [r["tokens_per_s"] for r in results]),
-              ("inter-node MB / step / rank (DeepSpeed ZeRO++: not counted)",
-               [(r["inter_bytes"] or 0) / 1e6 for r in results])]
-    if all(r["peak_memory_bytes"] is not None for r in results):  # GPU only
-        panels.append(("peak memory GB", [r["peak_memory_bytes"] / 1e9 for r in results]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
-    for ax, (label, values) in zip(axes, panels):
-        ax.bar(names, values, color=colors)
-        ax.set_title(label)
-        ax.tick_params(axis="x", rotation=60)
+    megabytes = lambda n: None if n is None else n / 1e6  # noqa: E731
+    gigabytes = lambda n: None if n is None else n / 1e9  # noqa: E731
+    panels = [("tokens/s (all ranks)", [r["tokens_per_s"] for r in results], "{:,.0f}"),
+              ("MB received from other nodes, per step and rank", [megabytes(r["inter_bytes"]) for r in results],
+               "{:,.0f}"),
+              ("peak memory, GB", [gigabytes(r["peak_memory_bytes"]) for r in results], "{:.1f}")]
+    panels = [panel for panel in panels if any(v is not None for v in panel[1])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(0.9 * len(results) * len(panels) + 3, 5.5), squeeze=False)
+    for ax, (label, values, form) in zip(axes[0], panels):
+        positions = range(len(values))
+        bars = ax.bar(positions, [0 if v is None else v for v in values], color=colors)
+        top = max(v for v in values if v is not None)
+        for bar, value in zip(bars, values):
+            if value is None:
+                bar.set_visible(False)
+                ax.text(bar.get_x() + bar.get_width() / 2, top * 0.02, "not\nmeasured", ha="center", va="bottom",
+                        fontsize=7, color="dimgray")
+            else:
+                ax.text(bar.get_x() + bar.get_width() / 2, value, form.format(value), ha="center", va="bottom",
+                        fontsize=7)
+        ax.set_xticks(list(positions), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylim(0, top * 1.12)
+        ax.set_title(label, fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def chart_title(setup: dict[str, Any], described: str) -> str:
+    """Where the run ran, what it ran and when, marked SIMULATED for a simulated network's."""
+    world, device = setup["world"], setup["device"]
+    where = f"SIMULATED, rank 0 of {world} on {device}" if setup.get("simulated_network") else f"{device} x{world}"
+    return f"{where}, link {setup['link']}, {described} ({setup['date']})"
+
+
+def chart_from_json(json_path: str, png_path: str) -> None:
+    """Draws `plot`'s chart of a recorded run (its `--json` file), running nothing."""
+    record = json.loads(Path(json_path).read_text())
+    setup = record["setup"]
+    model = setup.get("model") or {}
+    described = f"{model.get('name', 'model')}, seq {model.get('seq', '?')}, batch {setup.get('batch_per_gpu', '?')}"
+    plot(record["variants"], chart_title(setup, described), png_path)
 
 
 # ----------------------------------------------------------------------------- main
@@ -1054,6 +1091,9 @@ def plot(results: list[dict[str, Any]], title: str, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    if args.chart_from:
+        chart_from_json(args.chart_from, args.png)
+        return []
     if args.slow_link:  # NCCL reads these when it creates a communicator, which happens after this
         os.environ.update(SLOW_LINK_ENV)
     simulated = join_simulated_world(args.world, args.network) if args.network else None
@@ -1151,8 +1191,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.json:
             write_json(args.json, {"setup": {**setup, "rounds_finished": args.rounds}, "variants": results})
         if args.png:
-            what = f"rank 0 of {world} on {setup['device']}" if simulated else f"{setup['device']} x{world}"
-            plot(results, f"{what}, link {setup['link']}, {described} ({setup['date']})", args.png)
+            plot(results, chart_title(setup, described), args.png)
     dist.destroy_process_group()
     return results
 

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 examples/train_gpt.py            # ZeRO++: qwZ + hpZ + qgZ
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero3    # the plain ZeRO-3 baseline
     torchrun --nproc_per_node=2 examples/train_gpt.py --no-qgz   # switch one technique off
+    torchrun --nproc_per_node=2 examples/train_gpt.py --png run.png  # loss curve and bytes per phase
 
 Each rank keeps 1/N of the weights (ZeRO-3); the model runs through
 torch.compile(backend="zeropp"), which turns the gathers and gradient reductions into the
@@ -60,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="a zeropp JSON config, used instead of the ZeRO++ defaults (flags still apply)")
     p.add_argument("--eager", action="store_true", help="run without torch.compile (plain ZeRO-3)")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines when not on a terminal")
+    p.add_argument("--png", help="save the loss curve and the bytes per phase here (needs matplotlib)")
     return p.parse_args(argv)
 
 
@@ -115,12 +117,13 @@ def main(argv: list[str] | None = None) -> float:
         print(f"zeropp: {world} ranks on {device.type} ({dist.get_backend()}), {how_counted}; "
               f"{describe(config)}, {'eager' if args.eager else 'compiled'}; "
               f"GPT of {n_params / 1e6:.2f}M parameters on {len(data) / 1e6:.1f} MB of stdlib source", flush=True)
-    loss_value, start = float("nan"), time.perf_counter()
+    loss_value, start, losses = float("nan"), time.perf_counter(), []
     progress = Progress(args.steps, enabled=rank == 0)
     for step in range(args.steps):
         x, y = batch(data, step, rank, world, args.batch, args.seq, args.seed)
         loss = step_model(x.to(device), y.to(device))
         loss.backward()
+        losses.append(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> float:
     progress.close()
     if rank == 0:
         print(comm_summary(zpp.comm_report(), config, eager=args.eager, world_size=world), flush=True)
+        if args.png:
+            phases = [] if args.eager or world == 1 else phase_bytes(zpp.comm_report(), config)
+            save_chart(args.png, [loss.item() for loss in losses], phases, f"{describe(config)}, {world} ranks")
     zpp.release_cuda_graphs()  # with Config.cuda_graphs: a captured NCCL collective blocks the teardown
     dist.destroy_process_group()
     return loss_value
@@ -168,39 +174,79 @@ class Progress:
             self.bar.close()
 
 
+def phase_bytes(report: zpp.CommReport, config: zpp.Config) -> list[tuple[str, bool, int, int, int, int]]:
+    """Per phase of a step: whether its technique is on, the bytes each rank received (within a
+    node, across nodes), and plain ZeRO-3's for the same model in this run's dtypes (its weights
+    gathered in param_dtype, its gradients reduced in reduce_dtype)."""
+    weights, gradients = config.param_dtype or torch.get_default_dtype(), config.reduce_dtype
+    # The bf16 baseline's three collectives are equal; in this run's dtypes each scales by its bytes per value.
+    dtypes = dict(zip(TECHNIQUES, (weights, weights, gradients)))
+    rows = []
+    for phase, (intra, inter) in report.by_phase().items():
+        itemsize = dtypes[phase].itemsize
+        base_intra, base_inter = (total // 3 * itemsize // 2 for total in (report.baseline_intra_bytes,
+                                                                           report.baseline_inter_bytes))
+        rows.append((phase, bool(getattr(config, TECHNIQUES[phase][1])), intra, inter, base_intra, base_inter))
+    return rows
+
+
 def comm_summary(report: zpp.CommReport, config: zpp.Config, eager: bool, world_size: int) -> str:
     """One line per phase of a step: the bytes each rank received against plain ZeRO-3's in this
-    run's dtypes (its weights gathered in param_dtype, its gradients reduced in reduce_dtype), and
-    the total against ZeRO-3 in bf16 too (the paper's baseline)."""
+    run's dtypes (`phase_bytes`), and the total against ZeRO-3 in bf16 too (the paper's baseline)."""
     if eager:
         return "eager run: the ZeRO++ passes act under torch.compile, so there is no compiled step to report"
     if world_size == 1:
         return ("one rank: nothing is communicated, so there are no bytes to compare; launch two or more "
                 "(torchrun --nproc_per_node=2 examples/train_gpt.py) to see ZeRO++ against plain ZeRO-3")
     mb = lambda n: f"{n / 1e6:.3f} MB"  # noqa: E731
-    weights, gradients = config.param_dtype or torch.get_default_dtype(), config.reduce_dtype
-    # The bf16 baseline's three collectives are equal; in this run's dtypes each scales by its bytes per value.
-    dtypes = dict(zip(TECHNIQUES, (weights, weights, gradients)))
-    baseline = {phase: (report.baseline_intra_bytes // 3 * dtype.itemsize // 2,
-                        report.baseline_inter_bytes // 3 * dtype.itemsize // 2) for phase, dtype in dtypes.items()}
     name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    weights = config.param_dtype or torch.get_default_dtype()
     lines = [f"bytes each rank received per step, against plain ZeRO-3 of the same model in this run's dtypes "
-             f"({name(weights)} weights, {name(gradients)} gradient reduction):"]
-    rows = []
-    for phase, (intra, inter) in report.by_phase().items():
-        technique, field = TECHNIQUES[phase]
-        base_intra, base_inter = baseline[phase]
-        rows.append((phase, technique if getattr(config, field) else "-", mb(inter), mb(base_inter),
-                     times(inter / base_inter if base_inter else math.nan), mb(intra), mb(base_intra)))
+             f"({name(weights)} weights, {name(config.reduce_dtype)} gradient reduction):"]
+    phases = phase_bytes(report, config)
+    rows = [(phase, TECHNIQUES[phase][0] if on else "-", mb(inter), mb(base_inter),
+             times(inter / base_inter if base_inter else math.nan), mb(intra), mb(base_intra))
+            for phase, on, intra, inter, base_intra, base_inter in phases]
     headers = ("phase", "technique", "cross-node", "ZeRO-3", "ratio", "within a node", "ZeRO-3")
     lines.append(textwrap.indent(text_table.render(headers, rows, align="<<>>>>>"), "  "))
-    base_inter = sum(inter for _, inter in baseline.values())
-    base_all = base_inter + sum(intra for intra, _ in baseline.values())
+    base_inter = sum(row[5] for row in phases)
+    base_all = base_inter + sum(row[4] for row in phases)
     lines.append(f"cross-node bytes per step {times(report.inter_bytes / base_inter if base_inter else math.nan)} of "
                  f"ZeRO-3's ({mb(report.inter_bytes)} vs {mb(base_inter)}), {times(report.inter_ratio)} of ZeRO-3's "
                  f"in bf16 (the paper's baseline); all bytes "
                  f"{times((report.intra_bytes + report.inter_bytes) / base_all if base_all else math.nan)}")
     return "\n".join(lines)
+
+
+def save_chart(path: str, losses: list[float], phases: list[tuple], title: str) -> None:
+    """The training loss by step, and beside it each phase's bytes against plain ZeRO-3's (`phase_bytes`)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no chart written to {path} (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if phases else 1, figsize=(11 if phases else 6, 4), squeeze=False)
+    axes[0][0].plot(range(1, len(losses) + 1), losses)
+    axes[0][0].set(title="training loss", xlabel="step", ylabel="nats per byte")
+    if phases:
+        ax, width = axes[0][1], 0.2
+        series = (("cross-node", 3, "tab:blue"), ("ZeRO-3 cross-node", 5, "silver"),
+                  ("within a node", 2, "tab:cyan"), ("ZeRO-3 within", 4, "gainsboro"))
+        for offset, (label, column, color) in enumerate(series):
+            places = [i + (offset - 1.5) * width for i in range(len(phases))]
+            bars = ax.bar(places, [row[column] / 1e6 for row in phases], width, label=label, color=color)
+            ax.bar_label(bars, fmt="%.2f", fontsize=6)
+        names = [f"{row[0]}\n({TECHNIQUES[row[0]][0] if row[1] else 'off'})" for row in phases]
+        ax.set_xticks(range(len(phases)), names, fontsize=7)
+        ax.set(title="MB each rank received per step")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def times(ratio: float) -> str:

@@ -10,7 +10,6 @@ they are plain ZeRO-3, the numerical reference.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -22,6 +21,7 @@ from ..torch_compat import OpOverload, cuda_graph_unsafe_tags
 from . import grad_quant, prefetch, weight_quant  # noqa: F401  (register the quantization and prefetch ops)
 from .buckets import join_shards, member_starts, split_rows
 from .collectives import all_gather, all_to_all, all_to_all_between_nodes, reduce_scatter_sum
+from .job import warn_for_the_job
 from .registry import REGISTRY
 
 
@@ -215,7 +215,7 @@ class _RunTimeGathers:
         if self.eager_reads or self.unlowered_graphs or self.warned:
             return
         self.warned = True
-        warnings.warn(
+        warn_for_the_job(
             "zeropp: a sharded model's parameter gather runs inside a graph compiled by another backend than "
             "zeropp's (torch.compile(model) without backend=\"zeropp\"?): it trains as plain ZeRO-3, with qwZ, hpZ "
             "and qgZ off and nothing in zpp.comm_report(). Compile with torch.compile(model, backend=\"zeropp\")",

@@ -484,3 +484,23 @@ def test_the_triton_copy_of_the_kernel_benchmark_copies_every_element():
     dst = torch.zeros_like(src)
     bench_grad_kernels.triton_copy(src, dst)
     assert torch.equal(dst, src)
+
+
+@needs("matplotlib")
+def test_a_chart_labels_each_bar_and_draws_none_for_a_value_not_measured(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    results = [{"name": "fsdp2", "label": "FSDP2 reshard", "system": "fsdp2", "tokens_per_s": 1000.0,
+                "inter_bytes": 2e6, "peak_memory_bytes": None},
+               {"name": "deepspeed_zeropp", "label": "DeepSpeed ZeRO++", "system": "deepspeed", "tokens_per_s": 500.0,
+                "inter_bytes": None, "peak_memory_bytes": None}]
+    bench.plot(results, "title", str(tmp_path / "chart.png"))
+    (figure,) = figures
+    tokens, received = figure.axes  # no memory panel: nothing measured it
+    assert [t.get_text() for t in tokens.texts] == ["1,000", "500"]
+    assert [bar.get_visible() for bar in received.patches] == [True, False]  # no bar of 0 for DeepSpeed's bytes
+    assert [t.get_text() for t in received.texts] == ["2", "not\nmeasured"]
+    assert [t.get_text() for t in tokens.get_xticklabels()] == ["FSDP2 reshard", "DeepSpeed ZeRO++"]
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,6 +17,7 @@ from zpp_compile.cli import main
 from zpp_compile.explain import predict
 from zpp_compile.pass_manager import enabled_passes
 from zpp_compile.passes import PASSES
+from zpp_compile.schedule_image import can_draw
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 
@@ -70,6 +71,8 @@ def test_dump_has_before_and_after_of_every_enabled_pass(paper_run):
                     assert (folder / f"g0.{kind}.lowering.{index:02d}.{graph_pass.name}.{part}").is_file()
             for part in ("lowered.py", "comm.json", "schedule.txt"):
                 assert (folder / f"g0.{kind}.{part}").is_file()
+            if can_draw():  # the schedule as a picture too, where matplotlib is installed
+                assert (folder / f"g0.{kind}.schedule.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The qgZ pass's summary shows its rewrite: gradient reductions in, quantized exchanges out
     # (between two nodes, the all-to-all is an all-gather of the chunk for the other node).
     summary_file = next((paper_run / "dump" / "rank0").glob("g0.backward.*.quantize_gradients.summary.json"))

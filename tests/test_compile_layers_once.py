@@ -192,9 +192,9 @@ def numbered_layers_run(rank: int, world_size: int) -> None:
         warnings.simplefilter("always")
         graphs, model = stack_matches_unsharded_run(rank, world_size, layers, seed=1)
     assert sum(one_layer for _, one_layer in graphs) == 12
-    # Once, as the fifth graph comes: the layers trace apart, and compile time grows with depth.
+    # Once per job (rank 0), as the fifth graph comes: the layers trace apart, and compile time grows.
     apart = [str(w.message) for w in caught if "differs from layer to layer" in str(w.message)]
-    assert len(apart) == 1 and "compiled 5 graphs for 5 layers" in apart[0], apart
+    assert len(apart) == (rank == 0) and all("compiled 5 graphs for 5 layers" in m for m in apart), apart
     sharding_id = zpp.REGISTRY.sharding_id(model)
     assert len(set(graphs_run_by(sharding_id).values())) == 12
 
@@ -209,7 +209,7 @@ def kv_cache_run(rank: int, world_size: int) -> None:
         warnings.simplefilter("always")
         torch.compile(model, backend="zeropp", options={"inductor": False})(input_ids=tokens, labels=tokens)
     apart = [str(w.message) for w in caught if "differs from layer to layer" in str(w.message)]
-    assert len(apart) == 1 and "model.config.use_cache = False" in apart[0], apart
+    assert len(apart) == (rank == 0) and all("model.config.use_cache = False" in m for m in apart), apart
 
 
 def same_collectives_run(rank: int, world_size: int) -> None:

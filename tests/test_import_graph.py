@@ -114,3 +114,14 @@ def test_runtime_and_passes_import_only_the_layers_below_them():
              if _layer(module) in BELOW and _layer(target) != _layer(module)
              and _layer(target) not in BELOW[_layer(module)]]
     assert not wrong, wrong
+
+
+def test_no_pass_imports_another():
+    # What passes share lives in passes/base.py and passes/fx_util.py; a pass is one file.
+    from zpp_compile.passes import PASSES
+
+    pass_modules = {f"{PACKAGE}.passes.{p.run.__module__.rpartition('.')[2]}" for p in PASSES}
+    assert len(pass_modules) == len(PASSES)  # one file per pass
+    graph = import_graph()
+    wrong = [(m, t) for m, t in graph.edges if m in pass_modules and t in pass_modules]
+    assert not wrong, wrong

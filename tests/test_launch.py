@@ -125,5 +125,10 @@ def test_trainers_are_the_scripts_own_again_after_the_script(tmp_path):
                       "made = transformers.Trainer.__new__(transformers.Trainer)\n"
                       "assert type(made).__mro__[1].__name__ == 'ZeroppTrainerMixin', type(made).__mro__\n")
     launch.main([str(script)])
-    assert "__new__" not in transformers.Trainer.__dict__
     assert type(transformers.Trainer.__new__(transformers.Trainer)) is transformers.Trainer
+
+    class Probe(transformers.Trainer):
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+    assert type(Probe(3)) is Probe and Probe(3).value == 3  # a constructor's arguments reach __init__ again

@@ -3,12 +3,13 @@ here from the same numbers."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
-from train_gpt import comm_summary, describe  # noqa: E402
+from train_gpt import comm_summary, describe, phase_bytes, save_chart  # noqa: E402
 
 import zpp_compile as zpp  # noqa: E402
 from zpp_compile.ledger import CommReport, CommRow  # noqa: E402
@@ -64,3 +65,17 @@ def test_summary_without_a_technique_or_a_baseline():
     assert "no compiled step" in comm_summary(report((1, 1, 1), 3), config, True, 2)
     alone = comm_summary(report((0, 0, 0), 0), config, False, 1)
     assert alone.startswith("one rank: nothing is communicated") and "--nproc_per_node=2" in alone, alone
+
+
+def test_the_chart_shows_the_loss_and_each_phases_bytes_against_zero3(tmp_path):
+    config = zpp.Config(quantized_weights=True, hpz_partition_size=1, quantized_gradients=True)
+    phases = phase_bytes(report((1_681_000, 0, 860_000), 3 * 3_291_000), config)
+    # fp32 weights and reduction: plain ZeRO-3 moves twice the bf16 baseline's bytes in each phase.
+    assert phases == [(PHASES[0], True, 0, 1_681_000, 0, 6_582_000), (PHASES[1], True, 0, 0, 0, 6_582_000),
+                      (PHASES[2], True, 0, 860_000, 0, 6_582_000)]
+    path = tmp_path / "run.png"
+    save_chart(str(path), [5.5, 4.0, 3.0], phases, "test")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not path.exists()

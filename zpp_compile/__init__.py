@@ -8,10 +8,10 @@ The names below come from `zpp_compile._api`, loaded at the first use of any of 
 """
 
 import importlib
-import warnings
 from importlib import metadata
 from typing import Any
 
+from .runtime.job import warn_for_the_job
 from .supported_torch import unsupported_torch_warning
 
 try:
@@ -24,7 +24,7 @@ try:
 except metadata.PackageNotFoundError:  # a torch without metadata (built in place): nothing to compare
     _torch = None
 if _torch is not None and (_warning := unsupported_torch_warning(_torch)) is not None:
-    warnings.warn(_warning, stacklevel=2)  # once per process, at import: where the user chose the torch
+    warn_for_the_job(_warning, stacklevel=2)  # once per job, at import: where the user chose the torch
 
 __all__ = [
     "__version__", "Config", "ConfigError", "CommReport", "shard", "is_sharded", "full_state_dict", "step_comm_bytes",

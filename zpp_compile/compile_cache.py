@@ -28,7 +28,6 @@ import os
 import secrets
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -39,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from .config import GRAPH_NEUTRAL_FIELDS
 from .ledger import GraphComm
+from .runtime.job import warn_for_the_job
 from .torch_compat import DYNAMO_TO_LOCAL_CLOSURE, dtensor_cache_keys_stable, inductor_cache_dir, inductor_config
 
 if TYPE_CHECKING:
@@ -189,12 +189,12 @@ def warn_if_restarts_retrace(example_inputs: Sequence[Any]) -> None:
                 "parameters' device mesh, so a restarted job traces and partitions the whole step again "
                 "(Inductor's FX graph cache still serves the compiled code)")
     if not _none_hash_stable():
-        warnings.warn(f"{retraces}: on Python {sys.version_info.major}.{sys.version_info.minor} even with a fixed "
-                      "PYTHONHASHSEED; use Python 3.12 or later with `PYTHONHASHSEED=0`, or a torch with stable "
-                      "DTensor cache keys (2.13 has them)", stacklevel=2)
+        warn_for_the_job(f"{retraces}: on Python {sys.version_info.major}.{sys.version_info.minor} even with a "
+                         "fixed PYTHONHASHSEED; use Python 3.12 or later with `PYTHONHASHSEED=0`, or a torch with "
+                         "stable DTensor cache keys (2.13 has them)", stacklevel=2)
     elif os.environ.get("PYTHONHASHSEED", "random") == "random":
-        warnings.warn(f"{retraces}; launch with a fixed PYTHONHASHSEED (e.g. `PYTHONHASHSEED=0 torchrun ...`) "
-                      "or use a torch with stable DTensor cache keys (2.13 has them)", stacklevel=2)
+        warn_for_the_job(f"{retraces}; launch with a fixed PYTHONHASHSEED (e.g. `PYTHONHASHSEED=0 torchrun ...`) "
+                         "or use a torch with stable DTensor cache keys (2.13 has them)", stacklevel=2)
 
 
 def _none_hash_stable() -> bool:

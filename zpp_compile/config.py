@@ -16,7 +16,6 @@ import functools
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,6 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from .environment import DISABLE_PASSES_ENV, DUMP_DIR_ENV
+from .runtime.job import warn_for_the_job
 from .torch_compat import inductor_config
 
 _DTYPE_NAMES = {
@@ -310,7 +310,7 @@ class Config:
                 f"{world_size}; allowed: 0 (off) or one of {_divisors(world_size)}"
             )
         if self.hpz_partition_size > ranks_per_node:
-            warnings.warn(
+            warn_for_the_job(
                 f"Config.hpz_partition_size={self.hpz_partition_size} is larger than the "
                 f"{ranks_per_node} ranks of a node: backward weight gathers will cross nodes",
                 stacklevel=3,

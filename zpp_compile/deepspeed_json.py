@@ -24,10 +24,10 @@ without a word.
 from __future__ import annotations
 
 import difflib
-import warnings
 from typing import Any, Mapping
 
 from .config import Config, ConfigError
+from .runtime.job import warn_for_the_job
 
 # DeepSpeed's training-loop settings; "auto" leaves each to the framework running the loop.
 TRAINING_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -89,8 +89,8 @@ def from_deepspeed(values: Mapping[str, Any], precision: str | None = None, loop
     known = ("zero_optimization", "communication_data_type", *_PRECISIONS, *(TRAINING_KEYS if loop_checked else ()))
     ignored += [key for key in values if key not in known and values[key] != "auto"]
     if ignored:
-        warnings.warn(f"DeepSpeed config: zeropp has no use for {', '.join(ignored)}; these keys are ignored",
-                      stacklevel=3)
+        warn_for_the_job(f"DeepSpeed config: zeropp has no use for {', '.join(ignored)}; these keys are ignored",
+                         stacklevel=3)
     return Config.from_dict(ours)
 
 

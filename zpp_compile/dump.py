@@ -8,7 +8,8 @@ Per compiled graph, after its last pass (`{graph}.*`):
 - `lowered.py`: the graph that is compiled (or run, without Inductor);
 - `comm.json`: its collectives with bytes per link class, the hpZ copy bytes, and the sharded
   model's size and topology, so that `zeropp report` can compute everything from files alone;
-- `schedule.txt`: the order of compute and communication (Inductor may reorder it further).
+- `schedule.txt`: the order of compute and communication (Inductor may reorder it further), and
+  `schedule.png` the same as a picture where matplotlib is installed (`schedule_image.py`).
 With Config.compile_layers_once, `layer_runs.json` says how many layers ran each layer's own graph.
 """
 
@@ -24,10 +25,11 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from .ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, zeropp_groups
+from .ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, ranks_text, zeropp_groups
 from .pass_observers import PassObserver, PassRun
 from .runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
 from .runtime.topology import Topology, bytes_per_peer
+from .schedule_image import Span, can_draw, write_schedule_image
 from .torch_compat import C10D_FUNCTIONAL, OpOverload
 
 LAYER_RUNS = "layer_runs.json"
@@ -91,6 +93,11 @@ class GraphDump(PassObserver):
         (self.folder / f"{comm.graph_name}.lowered.py").write_text(_code(graph))
         (self.folder / f"{comm.graph_name}.comm.json").write_text(json.dumps(comm.to_dict(), indent=1))
         (self.folder / f"{comm.graph_name}.schedule.txt").write_text(self._schedule(comm.graph_name, graph))
+        if can_draw():
+            spans, compute = self._spans(graph)
+            write_schedule_image(self.folder / f"{comm.graph_name}.schedule.png",
+                                 f"{comm.graph_name}: collectives from issue to wait, over the compute between them",
+                                 spans, compute, len(graph.nodes))
 
     def write_layer_runs(self, runs: dict[str, int]) -> None:
         """How many layers ran each layer's own graph last (Config.compile_layers_once), by graph id."""
@@ -137,6 +144,19 @@ class GraphDump(PassObserver):
             intra, inter = topology.received_bytes(group, bytes_per_peer(not of_gradient, input_bytes, group.size))
             records.append(CollectiveRecord(op, group, dtype, intra, inter, of_gradient))
         return records
+
+    def _spans(self, graph: fx.Graph) -> tuple[list[Span], list[int]]:
+        """The graph's collectives from issue to wait (`schedule_image.Span`), and its compute nodes, by index."""
+        records = collectives_by_node(graph, self.topology)
+        wait = C10D_FUNCTIONAL.wait_tensor.default
+        index = {node: i for i, node in enumerate(graph.nodes)}
+        waited = {n.args[0]: index[n] for n in graph.nodes
+                  if n.op == "call_function" and n.target is wait and n.args[0] in records}
+        spans = [Span(index[node], waited.get(node), r.op, f"{ranks_text(r.group.ranks)} {_dtype_name(r.dtype)}")
+                 for node, r in records.items()]
+        compute = [index[n] for n in graph.nodes
+                   if n.op == "call_function" and n not in records and n.target is not wait]
+        return spans, compute
 
     def _schedule(self, graph_name: str, graph: fx.Graph) -> str:
         """One line per collective issued and waited on, one per run of compute between them."""
@@ -199,3 +219,8 @@ def read_layer_runs(values: Any) -> dict[str, int]:
             isinstance(k, str) and type(v) is int and v >= 0 for k, v in values.items()):
         raise ValueError(f"expected graph ids with layer counts (non-negative integers), got {values!r}")
     return values
+
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -28,10 +28,10 @@ import dataclasses
 import os
 import runpy
 import sys
-import warnings
 from typing import Any, Sequence
 
 from .config import Config, ConfigError, field_setting, read_json_object
+from .runtime.job import speaks_for_the_job, warn_for_the_job
 
 PROGRAM = "python -m zpp_compile.launch"
 
@@ -90,6 +90,11 @@ def _without_deepspeed(p: argparse.ArgumentParser, arguments: list[str]) -> tupl
     return kept, path
 
 
+def _plain_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """What `object.__new__` does for a class with an `__init__` of its own: the arguments are `__init__`'s."""
+    return object.__new__(cls)
+
+
 class _LaunchedTrainers:
     """Makes every `transformers.Trainer` of this process a zeropp one for `launch`: Trainer's
     `__new__` returns an instance of the class the script asked for with `ZeroppTrainerMixin` in
@@ -122,10 +127,9 @@ class _LaunchedTrainers:
         """Trainers are made as the script's classes again (after the script, in a process that goes on)."""
         import transformers
 
-        if self._replaced is None:
-            del transformers.Trainer.__new__
-        else:
-            transformers.Trainer.__new__ = self._replaced
+        # Deleting an assigned __new__ would leave CPython calling object.__new__ with the constructor's
+        # arguments, which it refuses ("takes exactly one argument"): a plain one takes its place.
+        transformers.Trainer.__new__ = self._replaced if self._replaced is not None else _plain_new
 
     def zeropp_class(self, trainer_class: type) -> type:
         from .integrations.transformers import ZeroppTrainerMixin, trainer_config
@@ -139,7 +143,7 @@ class _LaunchedTrainers:
             def _zeropp_config(trainer: Any, value: Any) -> Config:
                 config = trainer_config(value, trainer.args)
                 config = dataclasses.replace(config, **launch.options) if launch.options else config
-                if int(os.environ.get("RANK", 0)) == 0:
+                if speaks_for_the_job():
                     print(f"zeropp: {type(trainer).__name__} trains its model sharded by zeropp, "
                           f"{_described(config, launch)}", file=sys.stderr, flush=True)
                 return config
@@ -173,8 +177,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         sys.argv = saved_argv
         trainers.uninstall()
-    if not trainers.made and int(os.environ.get("RANK", 0)) == 0:
-        warnings.warn(f"zeropp: {launch.target} made no transformers.Trainer, so nothing was sharded by zeropp"
+    if not trainers.made:
+        warn_for_the_job(f"zeropp: {launch.target} made no transformers.Trainer, so nothing was sharded by zeropp"
                       + (f" and {launch.deepspeed_path} was never used" if launch.deepspeed_path else "")
                       + "; a script with its own loop shards its model itself: zpp.shard(model, "
                         "zpp.Config.load(\"ds_config.json\"))", stacklevel=1)

@@ -19,7 +19,6 @@ graph records which layer ran it (`record_layer_run`; this module keeps the reco
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -27,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .module_state import HeldShards, held_shards
+from .runtime.job import warn_for_the_job
 from .runtime.layer_scope import running, running_layer
 from .torch_compat import frame_recompile_limit
 
@@ -121,7 +121,7 @@ def _warn_if_layers_trace_apart(sharding_id: int) -> None:
     forwards read something that differs by layer, so compile time grows with depth."""
     layers = list(graphs_run_by(sharding_id).values())
     if len(set(layers)) == _LAYER_GRAPHS_EXPECTED + 1:
-        warnings.warn(
+        warn_for_the_job(
             f"zeropp: Config.compile_layers_once has compiled {_LAYER_GRAPHS_EXPECTED + 1} graphs for "
             f"{len(layers)} layers: the layers' forwards read something that differs from layer to layer (a "
             "number, a flag, a cache), which Dynamo compiles as a constant, so compile time grows with depth. "

@@ -341,8 +341,8 @@ class CommReport:
         if collectives:
             lines.append(text_table.render(
                 ("graph", "phase", "op", "ranks", "dtype", "intra B", "inter B", "link"),
-                [(r.graph, r.phase, r.op, _ranks(r.ranks), r.dtype, f"{r.intra_bytes:,}", f"{r.inter_bytes:,}", r.link)
-                 for r in self.rows], align="<<<<<>><"))
+                [(r.graph, r.phase, r.op, ranks_text(r.ranks), r.dtype, f"{r.intra_bytes:,}", f"{r.inter_bytes:,}",
+                  r.link) for r in self.rows], align="<<<<<>><"))
             lines.append("")
         third = (self.baseline_intra_bytes // 3, self.baseline_inter_bytes // 3)
         totals = [(phase, intra, inter, *third) for phase, (intra, inter) in self.by_phase().items()]
@@ -364,6 +364,7 @@ def _ratio(value: int, baseline: int) -> float:
     return value / baseline if baseline else math.nan
 
 
-def _ranks(ranks: tuple[int, ...]) -> str:
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """A group's ranks, short: "[0,1]", or "[0..15] (16)" past a few."""
     text = ",".join(map(str, ranks))
     return f"[{text}]" if len(text) <= 12 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)})"

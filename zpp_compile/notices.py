@@ -1,4 +1,4 @@
-"""What a user waits on, said on rank 0: a first step that compiles for minutes says so.
+"""What a user waits on, said on rank 0 (`runtime.job`): a first step that compiles for minutes says so.
 
 Each notice is one line on the `zpp_compile.notices` logger at INFO, from rank 0 alone (every rank
 compiles the same graphs). Where the program has set up no logging at all (the root logger has no
@@ -14,14 +14,14 @@ import sys
 import time
 from typing import Any, Callable
 
-import torch.distributed as dist
+from .runtime.job import speaks_for_the_job
 
 logger = logging.getLogger(__name__)
 
 
 def notice(message: str, *args: Any) -> None:
     """Says `message % args` on rank 0."""
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not speaks_for_the_job():
         return
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
