@@ -19,6 +19,7 @@ try:
 except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
+_torch: str | None
 try:
     _torch = metadata.version("torch")
 except metadata.PackageNotFoundError:  # a torch without metadata (built in place): nothing to compare

@@ -18,7 +18,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard
 
 import torch
 
@@ -412,7 +412,7 @@ def _unknown_key(key: str, deepspeed_names: bool = False) -> ConfigError:
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 
-from .module_state import HeldShards, held_shards
+from .module_state import HeldShards, held_shards, layer_identity, mark_layer
 from .runtime.job import warn_for_the_job
 from .runtime.layer_scope import running, running_layer
 from .torch_compat import frame_recompile_limit
@@ -46,7 +46,7 @@ def compile_layers_once(layers: dict[str, nn.Module], sharding_id: int) -> None:
             # The class keeps its name, which transformers and wrap policies match layers by.
             subclasses[cls] = type(cls.__name__, (cls,), {"forward": _compiled_on_its_own(cls.forward)})
         layer.__class__ = subclasses[cls]
-        layer._zpp_layer = (sharding_id, name)
+        mark_layer(layer, (sharding_id, name))
 
 
 # Identical layers whose forwards read different constants (an HF layer's layer_idx) get a graph
@@ -82,7 +82,7 @@ def _compiled_on_its_own(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     @torch.compiler.disable(recursive=False)
     def run_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with running(layer._zpp_layer), raised_cap:
+        with running(layer_identity(layer)), raised_cap:
             return forward(layer, *args, **kwargs)
 
     return run_layer

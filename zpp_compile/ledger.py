@@ -165,7 +165,7 @@ def field_of(values: Any, key: str, kind: type | tuple[type, ...], minimum: int 
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
         raise ValueError(f"{key!r} must be {names}, got {value!r}")
-    if kinds == (int,) and value < minimum:
+    if kinds == (int,) and isinstance(value, int) and value < minimum:
         raise ValueError(f"{key!r} must be at least {minimum}, got {value!r}")
     return value
 
@@ -193,6 +193,7 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
     of_gradients = backward_nodes(graph)
     records = {}
     for node in graph.nodes:
+        op: str | None
         if node.target is GATHER_PREFETCHED:  # an all-gather issued one call ahead
             prefetched = gather_prefetched_args(node)
             op, group = "all_gather", groups.get(prefetched.group_name)
@@ -204,7 +205,7 @@ def collectives_by_node(graph: fx.Graph, topology: Topology) -> dict[fx.Node, Co
             if group is not None:
                 value = node.args[0].meta["val"]
                 dtype, nbytes = value.dtype, value.numel() * value.element_size()
-        if group is None:  # not a collective, or one of the user's own groups
+        if group is None or op is None:  # not a collective, or one of the user's own groups
             continue
         intra, inter = topology.received_bytes(group, bytes_per_peer(op == "all_gather", nbytes, group.size))
         records[node] = CollectiveRecord(op, group, dtype, intra, inter, node in of_gradients)
@@ -220,7 +221,7 @@ def training_graphs(graphs: list[GraphComm], layer_runs: Mapping[str, int] | Non
     graph counts while some layer ran it last (`layer_runs`, by graph id: `layer_graphs.layer_runs`)."""
     runs = layer_runs or {}
     trained = {_dynamo_graph(g) for g in graphs if g.kind == "backward"}
-    latest: dict[tuple, str] = {}
+    latest: dict[tuple | str, str] = {}  # by (sharding id, frame), or by the graph's own id
     for g in graphs:
         if _dynamo_graph(g) in trained and not g.one_layer:
             frame = (g.model.sharding_id if g.model else None, g.frame) if g.frame is not None else _dynamo_graph(g)
@@ -283,7 +284,7 @@ class CommReport:
         """The report of the training graphs among `graphs` (the ledger, or a dump read back); a
         layer's own graph's collectives once for every layer that ran it (`training_graphs`)."""
         chosen = training_graphs(graphs, layer_runs)
-        runs = lambda g: layer_runs[_dynamo_graph(g)] if g.one_layer else 1  # noqa: E731
+        runs = lambda g: (layer_runs or {})[_dynamo_graph(g)] if g.one_layer else 1  # noqa: E731
         rows = tuple(
             CommRow(g.graph_name, phase_of(g.kind, c), c.op, c.group.ranks, str(c.dtype).removeprefix("torch."),
                     c.intra_bytes, c.inter_bytes)

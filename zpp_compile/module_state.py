@@ -1,4 +1,6 @@
-"""What zeropp keeps on each module that holds shards: one `HeldShards` object, `module._zpp`.
+"""What zeropp keeps on each module that holds shards: one `HeldShards` object, `module._zpp`; and
+on each layer compiled as a graph of its own (Config.compile_layers_once), which layer it is,
+`module._zpp_layer` (`mark_layer`, `layer_identity`). Nothing else of zeropp's sits on a module.
 
 The gathering properties of such a module (`sharding._gathering_class`) read it at every use of
 a parameter, eager or traced by Dynamo; what they read is kept in plain dicts and tuples, which
@@ -77,6 +79,16 @@ class HeldShards:
 def held_shards(module: nn.Module) -> HeldShards | None:
     """What zeropp keeps on `module`; None for a module that holds no shards."""
     return module.__dict__.get("_zpp")
+
+
+def mark_layer(module: nn.Module, layer: tuple[int, str]) -> None:
+    """Records on `module` that it is `layer` (sharding id, qualified name) of its model."""
+    module.__dict__["_zpp_layer"] = layer
+
+
+def layer_identity(module: nn.Module) -> tuple[int, str]:
+    """The layer `mark_layer` made `module`."""
+    return module.__dict__["_zpp_layer"]
 
 
 def sharded_names(module: nn.Module) -> tuple[str, ...]:
