@@ -135,11 +135,7 @@ class Ledger:
 
     def enter(self, comm: GraphComm, replacing: GraphComm | None = None) -> None:
         """Adds `comm`, in the place of the entry `replacing` where the ledger holds it."""
-        same = [i for i, g in enumerate(self._graphs) if replacing is not None and g is replacing]
-        if same:
-            self._graphs[same[0]] = comm
-        else:
-            self._graphs.append(comm)
+        enter_graph(self._graphs, comm, replacing)
 
     def forget_model(self, sharding_id: int) -> None:
         """Takes a gone model's graphs out (a new model that takes its sharding id would otherwise
@@ -151,6 +147,15 @@ class Ledger:
 
 
 LEDGER = Ledger()  # the process's: written only through its methods
+
+
+def enter_graph(graphs: list[GraphComm], comm: GraphComm, replacing: GraphComm | None) -> None:
+    """`comm` into `graphs`: in the place of `replacing` where `graphs` holds it, else at the end."""
+    same = [i for i, g in enumerate(graphs) if replacing is not None and g is replacing]
+    if same:
+        graphs[same[0]] = comm
+    else:
+        graphs.append(comm)
 
 
 def field_of(values: Any, key: str, kind: type | tuple[type, ...], minimum: int = 0) -> Any:

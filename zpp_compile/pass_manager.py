@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from .config import Config
 from .dump import GraphDump
-from .ledger import LEDGER, GraphComm, ShardedModel, collectives_in_graph
+from .ledger import LEDGER, GraphComm, ShardedModel, collectives_in_graph, enter_graph
 from .pass_observers import PassObserver, PassRun, PassTrace
 from .passes import PASSES, GraphPass, PassContext
 from .passes.base import SECONDARY_COPY
@@ -108,11 +108,7 @@ class PassManager:
         """Enters a compiled graph's collectives in the ledger. An entry `restored` from the compile
         cache is replaced if its graph is compiled after all (a backward compiled at its first use)."""
         replacing = self.restored.get(comm.graph_name)
-        same = [i for i, g in enumerate(self.graphs) if replacing is not None and g is replacing]
-        if same:
-            self.graphs[same[0]] = comm
-        else:
-            self.graphs.append(comm)
+        enter_graph(self.graphs, comm, replacing)
         LEDGER.enter(comm, replacing)
         if restored:
             self.restored[comm.graph_name] = comm

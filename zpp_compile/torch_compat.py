@@ -61,7 +61,11 @@ from torch._inductor.decomposition import select_decomp_table  # noqa: F401
 
 # Inductor's folder for a device's compiled Triton kernels (TRITON_CACHE_DIR when the user set it).
 from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+# Inductor's caches' folder (beside Config.inductor_options' check above).
 from torch._inductor.runtime.runtime_utils import cache_dir as inductor_cache_dir  # noqa: F401
+
+# Each pass's graph in TORCH_TRACE (tlparse), beside dynamo_timed above.
 from torch._logging import trace_structured  # noqa: F401
 from torch.distributed.tensor import DTensor
 
