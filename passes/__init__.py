@@ -34,10 +34,10 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("quantize_gradients", "lowering", quantize_gradients,
               wanted=lambda config: config.quantized_gradients),
     GraphPass("lower_collectives", "lowering", lower_collectives),
+    GraphPass("fold_bucket_copies", "lowering", fold_bucket_copies),
     # These two hold run-time state across graphs, which a CUDA graph's replay would not consult.
     GraphPass("prefetch_across_layers", "lowering", prefetch_across_layers,
               wanted=lambda config: config.compile_layers_once and not config.cuda_graphs),
-    GraphPass("fold_bucket_copies", "lowering", fold_bucket_copies),
     GraphPass("realize_shared_values", "lowering", realize_shared_values),
     GraphPass("schedule_overlap", "lowering", schedule_overlap),
     GraphPass("finish_reductions_later", "lowering", finish_reductions_later,

@@ -5,12 +5,14 @@ it is called, so that gather waits for nothing and nothing hides it: in forward,
 first bucket; in backward, its re-gather. This pass rewrites, in each lowered layer graph, the
 gather waited for first (from the graph's inputs: shards, or in backward hpZ's copies) with
 everything it is computed from (casts, padding, bucket copies, qwZ's quantization), its
-all-gather and its wait, into one `zpp::gather_prefetched` call that holds the rest as its
-program. At run time that op takes the result issued one call ahead and issues the next call's
-(`runtime/prefetch.py`), so every layer graph's first gather runs during the previous layer
-graph's compute, as FSDP2 prefetches the next block. It runs on nothing but layer graphs over
-more than one rank, right after lowering, while a bucket's copies are still one `zpp::join_bucket`
-(cheap to run outside Inductor); `schedule_overlap` then issues the graph's next gather before it.
+all-gather and its wait, into one `zpp::gather_prefetched` call that holds what the gather sends
+as its program and issues the gather itself. At run time that op takes the result issued one call
+ahead and issues the next call's (`runtime/prefetch.py`), so every layer graph's first gather runs
+during the previous layer graph's compute, as FSDP2 prefetches the next block. It runs on nothing
+but layer graphs over more than one rank, after `fold_bucket_copies`, so that the program holds the
+kernels the graph would have run (a bucket's copies folded into its quantization, or one
+elementwise expression with its casts), and Inductor compiles it as it would have compiled them in
+the graph (`runtime/programs.py`); `schedule_overlap` then issues the graph's next gather before it.
 """
 
 from __future__ import annotations
@@ -38,17 +40,18 @@ def prefetch_across_layers(graph: fx.Graph, ctx: PassContext) -> None:
     computed = [n for n in chain if n.op != "placeholder"]
     if not inputs or not _movable(computed, collective):
         return
-    program = program_source(inputs, [*computed, collective], [collective])
+    # What the gather sends; the op issues the gather (its `out=` buffer, on CPU, it makes itself).
+    sent, group_size, group_name = collective.args[:3]
+    program = program_source(inputs, sorted(ancestors(sent) - set(inputs)), [sent])
     if program is None:
         return
     value = wait.meta["val"]
     # The gather's own group, which the ledger counts it over: backward's gathers hpZ's copies
     # inside the node, not over the world.
-    _, group_size, group_name = collective.args[:3]
     with graph.inserting_before(wait):
         prefetched = graph.call_function(
             GATHER_PREFETCHED, (inputs, program, value.numel(), value.dtype, ctx.kind == "backward", group_size,
-                                group_name),
+                                group_name, ctx.config.inductor),
         )
     prefetched.meta["val"] = value
     wait.replace_all_uses_with(prefetched)

@@ -35,13 +35,18 @@ def gathers_into_given_output(device: torch.device) -> bool:
 def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Every member's `x` concatenated along dim 0, in group rank order; `x` itself in a group of
     one."""
-    x = x.contiguous()
     if group_size == 1:
-        return x
+        return x.contiguous()
+    return _c10d.wait_tensor(issue_all_gather(x, group_size, group_name))
+
+
+def issue_all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """`all_gather` issued: its result is valid once waited for (`_c10d_functional.wait_tensor`)."""
+    x = x.contiguous()
     if gathers_into_given_output(x.device):
         out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(x, group_size, group_name, out=out))
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, group_size, group_name))
+        return _c10d.all_gather_into_tensor_out(x, group_size, group_name, out=out)
+    return _c10d.all_gather_into_tensor(x, group_size, group_name)
 
 
 def reduce_scatter_sum(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:

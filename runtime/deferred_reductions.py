@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..torch_compat import at_backward_end, cuda_graph_unsafe_tags, graph_task_id
-from .programs import compiled_program
+from .programs import program_function
 
 
 @dataclass
@@ -123,7 +123,7 @@ def finish_reductions() -> None:
     have cleared it since, to try again)."""
     unfinished, _STATE.unfinished = _STATE.unfinished, []
     for reduction in unfinished:
-        results = compiled_program(reduction.program)(*reduction.inputs)
+        results = program_function(reduction.program)(*reduction.inputs)
         reduction.inputs = None
         reduction.results = results if isinstance(results, tuple) else (results,)
         _STATE.finished += 1

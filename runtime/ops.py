@@ -443,6 +443,7 @@ class GatherPrefetchedArgs(NamedTuple):
     backward: bool
     group_size: int
     group_name: str
+    compiled: bool
 
 
 def param_gathers(graph: fx.Graph) -> list[fx.Node]:

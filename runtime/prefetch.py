@@ -2,8 +2,9 @@
 
 A layer compiled as a graph of its own (Config.compile_layers_once) can start its first gather
 only when it is called, after the previous layer's compute, so nothing hides that gather. This op
-holds the gather's whole program (the casts and copies that build the buffer the ranks exchange,
-and the collective) and runs it one call ahead: when a graph calls it, it issues the call that
+holds the gather's program (the casts, copies and quantization that build the buffer the ranks
+exchange, compiled by Inductor as the graph's own code would have been: `runtime/programs.py`),
+issues the collective on what it computes, and does so one call ahead: when a graph calls it, it issues the call that
 followed this one in the previous step, on the shards that call read, so the collective runs on
 the network library's stream while this layer computes; the next call takes the result.
 
@@ -36,8 +37,9 @@ from ..torch_compat import (
     viewed_tensor,
     write_count,
 )
+from .collectives import issue_all_gather
 from .layer_scope import running_layer
-from .programs import compiled_program
+from .programs import run_program
 from .registry import REGISTRY
 
 
@@ -74,11 +76,25 @@ class PrefetchState:
 _STATE = PrefetchState()  # this module's own: nothing else writes it
 
 
+class Gather(NamedTuple):
+    """What a call computes: `program` (an FX graph's source) on its inputs, all-gathered over
+    `group_name` of `group_size` ranks; `compiled`: the program runs as Inductor's code."""
+
+    program: str
+    group_size: int
+    group_name: str
+    compiled: bool
+
+    def issue(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """The gather, issued (its result valid after its wait)."""
+        return issue_all_gather(run_program(self.program, inputs, self.compiled), self.group_size, self.group_name)
+
+
 class GatherCall(NamedTuple):
     """A call of the op, as every rank knows it."""
 
     layer: tuple[int, str]  # (sharding id, qualified name)
-    program: str
+    gather: Gather
     in_backward: bool
     grad_enabled: bool  # an evaluation's calls (under no_grad) are a sequence of their own
 
@@ -101,13 +117,15 @@ def _memory(t: torch.Tensor) -> tuple:
 
 @torch.library.custom_op("zpp::gather_prefetched", mutates_args=(), tags=cuda_graph_unsafe_tags())
 def gather_prefetched(inputs: list[torch.Tensor], program: str, gathered_numel: int, dtype: torch.dtype,
-                      backward: bool, group_size: int, group_name: str) -> torch.Tensor:
-    """The result of `program` (the source of an FX graph that ends in an all-gather of
-    `gathered_numel` elements of `dtype` over `group_name`) on `inputs`: taken from the gather
-    issued ahead where that was this very call, else run now; then the call that followed this
-    one in the previous step is issued ahead. `backward`: the graph is a backward graph."""
+                      backward: bool, group_size: int, group_name: str, compiled: bool) -> torch.Tensor:
+    """The all-gather over `group_name` of what `program` (an FX graph's source) computes from
+    `inputs`, `gathered_numel` elements of `dtype`: taken from the gather issued ahead where that
+    was this very call, else issued now; then the call that followed this one in the previous step
+    is issued ahead. `backward`: the graph is a backward graph; `compiled`: the program runs as
+    Inductor's code (else as FX's Python)."""
     memory = tuple(map(_memory, inputs))
-    call = _identify(inputs, memory, program, backward or in_autograd_backward())
+    gather = Gather(program, group_size, group_name, compiled)
+    call = _identify(inputs, memory, gather, backward or in_autograd_backward())
     pending, _STATE.pending = _STATE.pending, None
     if (pending is not None and (pending.call, pending.memory) == (call, memory)
             and pending.versions == _parameter_versions(memory)):
@@ -117,14 +135,14 @@ def gather_prefetched(inputs: list[torch.Tensor], program: str, gathered_numel: 
         if pending is not None:
             C10D_FUNCTIONAL.wait_tensor(pending.result)  # a wrong guess, issued on every rank: its buffer can go
             _STATE.count(dropped=1)
-        issued = compiled_program(program)(*inputs)
+        issued = gather.issue(inputs)
         _STATE.count(misses=1)
     if call is not None:
         _issue_following(call)
     return C10D_FUNCTIONAL.wait_tensor(issued)
 
 
-def _identify(inputs: list[torch.Tensor], memory: tuple, program: str, in_backward: bool) -> GatherCall | None:
+def _identify(inputs: list[torch.Tensor], memory: tuple, gather: Gather, in_backward: bool) -> GatherCall | None:
     """This call as every rank knows it, with what it read remembered for the next step's
     predictions; None for a call that reads something else than known shards (hpZ's copies,
     made each step), which ends the sequence a prediction follows."""
@@ -139,7 +157,7 @@ def _identify(inputs: list[torch.Tensor], memory: tuple, program: str, in_backwa
     previous, _STATE.previous = _STATE.previous, None
     if layer is None:
         return None
-    call = GatherCall(layer, program, in_backward, torch.is_grad_enabled())
+    call = GatherCall(layer, gather, in_backward, torch.is_grad_enabled())
     # The sequence starts again at a forward after backward, and where its first call comes again
     # (the next step, where no gather of copies in backward ended it): a gather issued at the end
     # of a step would be of weights the optimizer has not yet updated.
@@ -194,7 +212,7 @@ def _issue_following(call: GatherCall) -> None:
     versions = _parameter_versions(memory)
     if versions is not None:
         shards = [_read_at(key)[0] for key in memory]
-        _STATE.pending = Issued(following, memory, versions, compiled_program(following.program)(*shards))
+        _STATE.pending = Issued(following, memory, versions, following.gather.issue(shards))
 
 
 def forget_calls() -> None:
@@ -212,7 +230,7 @@ def counts() -> PrefetchCounts:
 
 
 @gather_prefetched.register_fake
-def _(inputs, program, gathered_numel, dtype, backward, group_size, group_name):
+def _(inputs, program, gathered_numel, dtype, backward, group_size, group_name, compiled):
     return inputs[0].new_empty(gathered_numel, dtype=dtype)
 
 

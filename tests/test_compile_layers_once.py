@@ -23,7 +23,7 @@ from zpp_compile.layer_graphs import graphs_run_by
 from zpp_compile.ledger import CollectiveRecord, CommReport, GraphComm
 from zpp_compile.passes import PASSES, GraphPass
 from zpp_compile.passes.lower_collectives import lower_collectives
-from zpp_compile.runtime import deferred_reductions, prefetch
+from zpp_compile.runtime import deferred_reductions, prefetch, programs
 from zpp_compile.runtime.layer_scope import running_layer
 from zpp_compile.runtime.topology import Group
 from zpp_compile.runtime.weight_quant_format import packed_weight_bytes
@@ -285,10 +285,13 @@ def checkpointing_layers_run(rank: int, world_size: int) -> None:
 
 
 def inductor_run(rank: int, world_size: int) -> None:
-    """Under Inductor, the layers' graphs give the unsharded stack's gradients to fp32 rounding."""
+    """Under Inductor, the layers' graphs give the unsharded stack's gradients to fp32 rounding,
+    the first gather of each layer graph computed by the program Inductor compiled for it."""
+    compiled_before = programs.compiled_count()
     graphs, _ = stack_matches_unsharded_run(rank, world_size, lambda: [MlpLayer(8) for _ in range(3)], seed=4,
                                             inductor=True)
     assert sum(one_layer for _, one_layer in graphs) == 2  # the first layer's and the others'
+    assert programs.compiled_count() > compiled_before  # the prefetched gathers' programs, forward and backward
 
 
 def no_sync_layers_run(rank: int, world_size: int) -> None:

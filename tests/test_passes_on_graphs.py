@@ -56,7 +56,7 @@ from zpp_compile.runtime.ops import (
     quantize_weight_args,
     reduce_grad_args,
 )
-from zpp_compile.runtime.programs import compiled_program
+from zpp_compile.runtime.programs import program_function, run_program
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.torch_compat import C10D_FUNCTIONAL, RECOMPUTE, USER_VISIBLE_OUTPUTS
 
@@ -591,9 +591,13 @@ def test_prefetch_across_layers__a_layer_graphs_first_gather_becomes_one_op_hold
     assert collectives(graph) == [("all_gather_into_tensor", WORLD, 4, torch.uint8, 36),
                                   ("reduce_scatter_tensor", WORLD, 4, torch.float32, 24)]
     assert not calls(graph, aten.constant_pad_nd.default)
-    # The program issues the collective and leaves its wait to the op; its code is Python as it stands.
-    assert "all_gather_into_tensor_out" in args.program and "wait_tensor" not in args.program
-    assert callable(compiled_program(args.program))
+    # The program computes what the gather sends (the shard cast and padded); the op issues the
+    # gather and waits for it. Its code is Python as it stands; Inductor compiles it where the graph
+    # was compiled by Inductor.
+    assert "all_gather" not in args.program and "wait_tensor" not in args.program and args.compiled
+    shard = torch.randn(5)
+    sent = run_program(args.program, [shard], compiled=False)
+    assert sent.dtype == torch.bfloat16 and torch.equal(sent, torch.cat([shard.to(torch.bfloat16), sent.new_zeros(1)]))
     # The ledger counts the op's gather as the gather it replaced.
     assert collectives_in_graph(graph, topology(0)) == ledger
     graph.lint()
@@ -643,7 +647,7 @@ def test_finish_reductions_later__a_layer_graphs_last_reductions_end_in_one_op_r
     # earlier ones); the program waits, then divides and cuts.
     assert output.meta[USER_VISIBLE_OUTPUTS] == [0, 1]
     summed = torch.arange(24.0)
-    torch.testing.assert_close(compiled_program(program)(summed), summed[:5] / 4)
+    torch.testing.assert_close(program_function(program)(summed), summed[:5] / 4)
     graph.lint()
     # The whole step's graph, a forward, a world of one, a reduction that is not a local shard's
     # gradient, and a graph whose inputs are not all plain tensors are left as they are; a graph
@@ -691,7 +695,7 @@ def test_finish_reductions_later__an_item_of_a_collective_in_the_tail_enters_the
     inputs, program, _ = later.args
     assert inputs == [item] and hop in graph.nodes and item in graph.nodes
     summed = torch.arange(24.0)
-    torch.testing.assert_close(compiled_program(program)(summed), summed[:5] / 4)
+    torch.testing.assert_close(program_function(program)(summed), summed[:5] / 4)
     graph.lint()
 
 

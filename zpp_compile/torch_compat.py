@@ -126,6 +126,17 @@ def cache_kernels_beside_inductors(device_index: int) -> None:
         os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device_index)
 
 
+def compile_program_with_inductor(function: Any, example_inputs: list[torch.Tensor]) -> Any:
+    """`function` (a program of ATen and custom ops, `runtime.programs`) traced on fake copies of
+    `example_inputs` and compiled by Inductor, as a function of tensors like them. Traced by
+    make_fx, as torch's own tests hand Inductor a graph: public torch.compile would go through
+    Dynamo, which a run-time op may be called under with its frame evaluation off."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(function, tracing_mode="fake")(*example_inputs)
+    return compile_fx(graph, example_inputs, config_patches={"triton.autotune_pointwise": False})
+
+
 def inductor_mode_options(mode: str) -> dict[str, Any]:
     """Inductor's settings for torch.compile(mode=...), which torch hands a custom backend by name only."""
     return dict(torch._inductor.list_mode_options(mode))
