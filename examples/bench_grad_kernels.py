@@ -1,4 +1,4 @@
-"""Benchmark of the qgZ gradient kernels (runtime/grad_quant*.py) against device copy bandwidth.
+"""Benchmark of the qgZ gradient kernels (runtime/quantization/grad_*.py) against device copy bandwidth.
 
     python examples/bench_grad_kernels.py                    # GPU: 256 MB gradient, N=2 x R=4
     python examples/bench_grad_kernels.py --json out.json    # also write the results as JSON
@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernels' definition
 
 from zpp_compile import text_table  # noqa: E402
-from zpp_compile.runtime import grad_quant as gq  # noqa: E402
+from zpp_compile.runtime.quantization import grad_ops as gq  # noqa: E402
 
 ESIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DNAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -30,7 +30,7 @@ import torch
 if not torch.cuda.is_available():  # read when kernels are defined, so before importing them
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from zpp_compile.runtime import weight_quant as wq  # noqa: E402
+from zpp_compile.runtime.quantization import weight_ops as wq  # noqa: E402
 
 # The interpreter computes inf * 0 in non-finite blocks (overwritten afterwards); numpy warns.
 warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
@@ -97,7 +97,7 @@ def copy_bandwidth(nbytes: int, device: torch.device, reps: int, iters: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# section: qwZ weight quantization (runtime/weight_quant.py)
+# section: qwZ weight quantization (runtime/quantization/weight_ops.py)
 # ---------------------------------------------------------------------------------------------
 
 

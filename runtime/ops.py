@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
 from ..torch_compat import OpOverload, cuda_graph_unsafe_tags
-from . import grad_quant, prefetch, weight_quant  # noqa: F401  (register the quantization and prefetch ops)
+from . import prefetch, quantization  # noqa: F401  (registers the prefetch and quantization ops)
 from .buckets import join_shards, member_starts, split_rows
 from .collectives import all_gather, all_to_all, all_to_all_between_nodes, reduce_scatter_sum
 from .job import warn_for_the_job
@@ -200,7 +200,7 @@ def _(weight, copy):
 class _RunTimeGathers:
     """Who runs `zpp::all_gather_param` itself, rather than the collectives the backend lowers it to.
 
-    An eager read of a parameter does (`grad_sync.gather_shard`, inside `eager_read()`), and so does
+    An eager read of a parameter does (`parameter_reads.gather_shard`, inside `eager_read()`), and so does
     a graph zeropp compiled with the `lower_collectives` pass switched off (debug). Any other run
     is a graph compiled by another backend (`torch.compile(model)` with the backend forgotten):
     plain ZeRO-3, with qwZ, hpZ and qgZ silently off and nothing in the communication report. That

@@ -48,7 +48,7 @@ class Registry:
     # Shards and buffers allocated but not yet given values (NaN until then), by tensor -> state:
     # what to_empty() after shard left, or meta modules shard() had no init for.
     unset: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-    # zpp_compile.grad_sync.GradAccumulator by key: what `zpp::add_kept_grad` takes the kept gradient from.
+    # zpp_compile.parameter_reads.GradAccumulator by key: what `zpp::add_kept_grad` takes the kept gradient from.
     accumulators: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     accumulator_keys: itertools.count = field(default_factory=itertools.count)
 

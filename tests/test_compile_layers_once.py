@@ -25,8 +25,8 @@ from zpp_compile.passes import PASSES, GraphPass
 from zpp_compile.passes.lower_collectives import lower_collectives
 from zpp_compile.runtime import deferred_reductions, prefetch, programs
 from zpp_compile.runtime.layer_scope import running_layer
+from zpp_compile.runtime.quantization.weight_format import packed_weight_bytes
 from zpp_compile.runtime.topology import Group
-from zpp_compile.runtime.weight_quant_format import packed_weight_bytes
 from zpp_compile.torch_compat import ListedWithoutDynamoWalks
 
 LAYERS = 3

@@ -1,4 +1,4 @@
-"""qgZ gradient kernels (runtime/grad_quant*.py): packed format, Triton == torch twin bit for bit,
+"""qgZ gradient kernels (runtime/quantization/grad_*.py): packed format, Triton == torch twin bit for bit,
 and a single-process simulation of the whole two-hop pipeline against float64 references.
 
 The all-to-alls are emulated by slicing: one list entry per emulated rank ``r = m * R + l``.
@@ -24,8 +24,8 @@ import pytest
 import torch
 from distributed import spread
 
-from zpp_compile.runtime import grad_quant as gq
-from zpp_compile.runtime import grad_quant_format as gq_format
+from zpp_compile.runtime.quantization import grad_format as gq_format
+from zpp_compile.runtime.quantization import grad_ops as gq
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 C_BOUND = 0.5 + 2.0 ** -12

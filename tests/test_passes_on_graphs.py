@@ -47,7 +47,6 @@ from zpp_compile.passes.quantize_weights import quantize_weights
 from zpp_compile.passes.reshard_after_forward import reshard_after_forward
 from zpp_compile.passes.schedule_overlap import schedule_overlap
 from zpp_compile.runtime.deferred_reductions import FINISH_REDUCTIONS_LATER
-from zpp_compile.runtime.grad_quant_format import piece_bytes
 from zpp_compile.runtime.ops import (
     dequantize_weight_args,
     gather_flat_args,
@@ -57,6 +56,7 @@ from zpp_compile.runtime.ops import (
     reduce_grad_args,
 )
 from zpp_compile.runtime.programs import program_function, run_program
+from zpp_compile.runtime.quantization.grad_format import piece_bytes
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.torch_compat import C10D_FUNCTIONAL, RECOMPUTE, USER_VISIBLE_OUTPUTS
 

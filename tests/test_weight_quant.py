@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from zpp_compile.runtime import weight_quant as wq
 from zpp_compile.runtime.buckets import member_starts
+from zpp_compile.runtime.quantization import weight_ops as wq
 
 # The interpreter computes inf * 0 in non-finite blocks (the result is overwritten) and numpy warns.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -423,7 +423,7 @@ def test_a_restarted_process_compiles_no_quantization_kernel_again(tmp_path):
     """The kernels one process compiled, the next finds: both keep them in Inductor's cache folder,
     whether or not Inductor has built a kernel before zeropp's first launch (in a job restarted
     from Inductor's caches it has not), and none in Triton's default folder."""
-    script = ("import torch; from zpp_compile.runtime import weight_quant; "
+    script = ("import torch; from zpp_compile.runtime.quantization import weight_ops; "
               "x = torch.randn((1 << 16) + 3, device='cuda'); "
               "torch.ops.zpp.dequantize_weight(torch.ops.zpp.quantize_weight(x, 256), x.numel(), 256, x.dtype); "
               "torch.cuda.synchronize()")

@@ -6,10 +6,10 @@ from torch import nn
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
-from .grad_sync import no_sync, set_requires_gradient_sync
 from .initialization import load_full_state_dict
 from .layer_graphs import layer_runs
 from .ledger import LEDGER, CommReport
+from .parameter_reads import no_sync, set_requires_gradient_sync
 from .runtime.agreement import RankMismatchError
 from .runtime.cuda_graphs import release_cuda_graphs
 from .runtime.registry import REGISTRY

@@ -25,7 +25,8 @@ from . import padding, text_table
 from .config import Config, ConfigError
 from .ledger import PHASES
 from .pass_manager import enabled_passes
-from .runtime.grad_quant_format import piece_bytes
+from .runtime.quantization.grad_format import piece_bytes
+from .runtime.quantization.weight_format import packed_weight_bytes
 from .runtime.topology import (
     local_index_groups,
     node_groups,
@@ -34,7 +35,6 @@ from .runtime.topology import (
     secondary_groups,
     world_received_bytes,
 )
-from .runtime.weight_quant_format import packed_weight_bytes
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .grad_sync import gather_shard
 from .module_state import sharded_names
+from .parameter_reads import gather_shard
 
 
 def is_leaf(name: str, module: nn.Module, leaf_modules: tuple[str, ...]) -> bool:

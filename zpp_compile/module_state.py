@@ -47,7 +47,7 @@ class ParamLayout:
 
     @property
     def gather_args(self) -> GatherArgs:
-        """What gathering the parameter reads, as `grad_sync.gather_shard` takes it."""
+        """What gathering the parameter reads, as `parameter_reads.gather_shard` takes it."""
         return (self.shape.numel(), tuple(self.shape), self.shard_size, self.group_size, self.group_name, self.dtype,
                 self.reduce_dtype, self.sharding_id)
 
@@ -59,7 +59,7 @@ class HeldShards:
     sharding_id: int
     scope: ForwardScope  # the model's forwards running now (a read inside one gathers)
     layouts: dict[str, ParamLayout]  # by parameter name
-    # grad_sync.GradAccumulator by parameter name, while set_requires_gradient_sync has kept gradients.
+    # parameter_reads.GradAccumulator by parameter name, while set_requires_gradient_sync has kept gradients.
     accumulators: dict[str, Any] = field(default_factory=dict)
     # Inside a leaf module (Config.leaf_modules): the weights it gathered on entry, by parameter name.
     leaf_weights: dict[str, torch.Tensor] | None = None

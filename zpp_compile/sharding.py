@@ -29,7 +29,6 @@ from . import leaf_modules, padding, stale_optimizers
 from .added_parameters import added_after_shard
 from .config import PER_RANK_FIELDS, Config, ConfigError
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
-from .grad_sync import gathered_weight
 from .initialization import (
     MetaInit,
     accept_full_tensors,
@@ -43,6 +42,7 @@ from .layer_graphs import compile_layers_once, tie_across_graphs
 from .layer_graphs import forget_model as forget_layer_runs
 from .ledger import LEDGER
 from .module_state import SHARDED_CLASS_PREFIX, HeldShards, ParamLayout, class_name, held_shards
+from .parameter_reads import gathered_weight
 from .runtime import ops  # noqa: F401  (registers the zpp ops)
 from .runtime.agreement import check_same_call
 from .runtime.prefetch import forget_calls

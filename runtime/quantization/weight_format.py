@@ -34,7 +34,7 @@ not. Treating them as zero blocks (absolute error < 1.5e-36) keeps both paths id
 NaN payloads (bit patterns) are not specified: torch's own float32->bfloat16 cast picks its own.
 
 The twins below are the CPU implementation of the ``zpp::*_weight`` and ``zpp::*_bucket`` ops
-(``weight_quant.py``) and the oracle the Triton kernels (``weight_quant_kernels.py``) match bit for
+(``weight_ops.py``) and the oracle the Triton kernels (``weight_kernels.py``) match bit for
 bit; they are kept apart from the kernels because they are the spec and need no Triton.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .buckets import join_shards, split_rows
+from ..buckets import join_shards, split_rows
 from .triton_common import SUPPORTED_DTYPES
 
 __all__ = [

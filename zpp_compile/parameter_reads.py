@@ -1,4 +1,6 @@
-"""Gradient accumulation without communication: FSDP2's `set_requires_gradient_sync`, for zeropp.
+"""What reading a sharded parameter does: the gather of its shard (`gather_shard`,
+`gathered_weight`), and around it gradient accumulation without communication (FSDP2's
+`set_requires_gradient_sync`, for zeropp).
 
 With sync off, every use of a trainable parameter gathers from a detached shard and routes the
 weight through `KeepGradLocal`: backward holds no `zpp::reduce_grad`, and autograd accumulates

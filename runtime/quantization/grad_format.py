@@ -53,8 +53,8 @@ code_0 * scale_0``, then ``acc = fma(code_k, scale_k, acc)`` in float32, k = 1, 
 cheaper on the GPU and more accurate; the twin computes it exactly with a float64 round-to-odd
 sum, see ``_fma_f32``.)
 
-The twins below are the CPU implementation of the ``zpp::qgz_*`` ops (``grad_quant.py``) and the
-oracle the Triton kernels (``grad_quant_tiles.py``, ``grad_quant_kernels.py``) match bit for bit.
+The twins below are the CPU implementation of the ``zpp::qgz_*`` ops (``grad_ops.py``) and the
+oracle the Triton kernels (``grad_tiles.py``, ``grad_kernels.py``) match bit for bit.
 """
 from __future__ import annotations
 

@@ -4,14 +4,14 @@
 qgZ replaces the gradient reduce-scatter by a two-hop all-to-all of block-quantized pieces (ZeRO++
 paper, section 3.3; ``ops.reduce_grad_quantized`` runs the hops). The code is split by role:
 
-    grad_quant_format.py    the packed format and its arithmetic (the spec), the torch twins, the
-                            argument checks
-    grad_quant_tiles.py     @triton.jit tile helpers (layout, values -> codes, codes -> values) and
-                            the table of what the kernels' helpers take
-    grad_quant_kernels.py   the three @triton.jit kernels, and why they are built as they are
-    grad_quant.py           this file: TUNING, the launchers, the ops (the twins on CPU, Triton
-                            on CUDA); the format's public names are re-exported here
-    triton_common.py        what qgZ shares with qwZ (``weight_quant*.py``)
+    grad_format.py      the packed format and its arithmetic (the spec), the torch twins, the
+                        argument checks
+    grad_tiles.py       @triton.jit tile helpers (layout, values -> codes, codes -> values) and
+                        the table of what the kernels' helpers take
+    grad_kernels.py     the three @triton.jit kernels, and why they are built as they are
+    grad_ops.py         this file: TUNING, the launchers, the ops (the twins on CPU, Triton
+                        on CUDA); the format's public names are re-exported here
+    triton_common.py    what qgZ shares with qwZ (``weight_*.py``)
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import dataclasses
 
 import torch
 
-from ..torch_compat import registers_per_sm
-from .grad_quant_format import (
+from ...torch_compat import registers_per_sm
+from .grad_format import (
     DEFAULT_BLOCK_SIZE,
     check_bits,
     check_dtype,
@@ -38,7 +38,7 @@ from .grad_quant_format import (
 from .triton_common import HAS_TRITON, aligned_u8, interpreting, launch_context, num_sms, require_triton, triton
 
 if HAS_TRITON:
-    from .grad_quant_kernels import (
+    from .grad_kernels import (
         qgz_dequantize_reduce_kernel,
         qgz_quantize_kernel,
         qgz_reduce_requantize_kernel,
@@ -69,12 +69,12 @@ __all__ = [
 
 # Per kernel and input bits (dequantize_reduce: and bytes per output element): elements per
 # program tile, warps per program, and U, the octets of one thread vector (see the tiles in
-# grad_quant_tiles.py). A thread holds tile_elems / (32 * num_warps) elements; reduce_requantize
+# grad_tiles.py). A thread holds tile_elems / (32 * num_warps) elements; reduce_requantize
 # sizes its tiles by elems_per_thread (from prefetch_words) and runs programs_per_sm persistent
 # programs per SM, all resident at once: the launcher caps registers to fit them (a program
 # that does not fit starts when another ends and finishes alone). Its programs are one warp
 # each, as many per SM as the best sweep of 4-warp programs had warps, without a tile's blocks
-# split over warps (grad_quant_kernels.py). l2_prefetch: whether a program asks L2 for the tile after
+# split over warps (grad_kernels.py). l2_prefetch: whether a program asks L2 for the tile after
 # the one in its registers (it pays with INT4 sources, not with INT8). Chosen by sweeps of
 # examples/bench_grad_kernels.py; the GPU and the figures are in docs/performance.md ("Kernel design:
 # what was measured").

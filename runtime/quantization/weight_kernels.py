@@ -1,6 +1,6 @@
 """The qwZ Triton kernels behind ``zpp::quantize_weight``, ``zpp::dequantize_weight``,
-``zpp::quantize_bucket`` and ``zpp::dequantize_bucket`` (launched by ``weight_quant.py``; the
-format and arithmetic they match bit for bit, and their torch twins, in ``weight_quant_format.py``).
+``zpp::quantize_bucket`` and ``zpp::dequantize_bucket`` (launched by ``weight_ops.py``; the
+format and arithmetic they match bit for bit, and their torch twins, in ``weight_format.py``).
 One kernel of each kind serves a plain shard and a bucket: a launch covers up to 8 members.
 
 Speed: the kernels use 16-byte accesses only where Triton can prove the alignment, i.e. when n
@@ -15,7 +15,7 @@ a rare branch that rewrites its tile from a second read, so it costs the common 
 registers.
 
 The guarded Triton import, the NaN-propagating max, the rounding constant and the launch helpers
-come from ``triton_common.py``, shared with qgZ (``grad_quant*.py``).
+come from ``triton_common.py``, shared with qgZ (``grad_*.py``).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import INF, MAGIC, nanmax
-from .weight_quant_format import TINY_ABSMAX
+from .weight_format import TINY_ABSMAX
 
 # ---------------------------------------------------------------------------------------------
 # Triton kernels. A program owns ROWS consecutive blocks. Tile shapes are chosen so that each

@@ -1,6 +1,6 @@
 """The qgZ Triton kernels behind ``zpp::qgz_quantize``, ``zpp::qgz_reduce_requantize`` and
-``zpp::qgz_dequantize_reduce`` (launched by ``grad_quant.py``; tile helpers and the table of
-what they take in ``grad_quant_tiles.py``; the format in ``grad_quant_format.py``).
+``zpp::qgz_dequantize_reduce`` (launched by ``grad_ops.py``; tile helpers and the table of
+what they take in ``grad_tiles.py``; the format in ``grad_format.py``).
 
 Kernel design (memory bound: the aim is the bandwidth of a copy of the same bytes): a program
 works on 2-D tiles of ``BPP`` whole blocks (``TUNING``, per kernel and input bits) of one piece,
@@ -46,7 +46,7 @@ issues per output element. Tiles are assigned statically: claiming them from ato
 the compiler issue the next tile's loads later in the loop. The measurements behind these choices
 are in docs/performance.md ("Kernel design: what was measured").
 
-Arguments of the kernels and their helpers: the table in ``grad_quant_tiles.py``, and::
+Arguments of the kernels and their helpers: the table in ``grad_tiles.py``, and::
 
     x_ptr, S, N, R     the gradient (float32, or 16-bit words / pairs, MODE); shard size; nodes,
                        ranks per node
@@ -65,7 +65,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grad_quant_tiles import (
+from .grad_tiles import (
     tl_block_ids,
     tl_join8,
     tl_load_tile,

@@ -1,4 +1,4 @@
-"""What the qgZ (``grad_quant*.py``) and qwZ (``weight_quant*.py``) Triton kernels share.
+"""What the qgZ (``grad_*.py``) and qwZ (``weight_*.py``) Triton kernels share.
 
 The one guarded Triton import (without Triton the ops run their torch twins on every device),
 the one reading of ``TRITON_INTERPRET``, the NaN-propagating max and the rounding constant the
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..torch_compat import cache_kernels_beside_inductors
+from ...torch_compat import cache_kernels_beside_inductors
 
 try:  # Triton is optional: without it the torch twins serve every device.
     import triton

@@ -1,7 +1,7 @@
-"""Tile helpers of the qgZ Triton kernels (``grad_quant_kernels.py``): the tile layout, values ->
+"""Tile helpers of the qgZ Triton kernels (``grad_kernels.py``): the tile layout, values ->
 codes (block scales, rounding, packing, stores) and codes -> values (loads, decoding, sums).
 
-How the kernels stay bit-exact with the twins (``grad_quant_format.py``): launched with
+How the kernels stay bit-exact with the twins (``grad_format.py``): launched with
 ``enable_fp_fusion=False`` (no implicit contraction), explicit ``tl.fma`` where the formula has
 one; divisions by ``tl.math.div_rn``; rint and float->int via ``bitcast(t + 1.5 * 2**23)`` (exact
 round-half-even for ``|t| < 2**22``, ``tl_code``); codes -> float via ``bitcast(field ^ E) - bias``
@@ -20,9 +20,9 @@ without moving data (no shared memory), and a block's absmax is an in-thread max
 elements plus log2(G) shuffles. INT4 packing and unpacking are shifts and masks of whole words
 (nibble k = lane k). U = 2 (quantize, dequantize) keeps a warp's input loads within fewer lines
 per instruction than U = 4; the exception is the output of qgz_dequantize_reduce (see
-``_tl_dequant_tile`` in ``grad_quant_kernels.py``).
+``_tl_dequant_tile`` in ``grad_kernels.py``).
 
-What the helpers here and the kernels in ``grad_quant_kernels.py`` take (one line per group of
+What the helpers here and the kernels in ``grad_kernels.py`` take (one line per group of
 arguments; a docstring names only what is its own)::
 
     x0..x7, a0..a7     the tile's 8 lanes, float32 [G, BPP, REP, U]: values, or sums of sources
@@ -56,7 +56,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grad_quant_format import FLT_MAX
+from .grad_format import FLT_MAX
 from .triton_common import INF, MAGIC, nanmax
 
 _FLT_MAX = tl.constexpr(FLT_MAX)   # Triton kernels read module globals only as constexpr

@@ -4,20 +4,20 @@
 qwZ: block-wise symmetric INT8 quantization of a flat weight shard, packed with its scales, so
 that the weight all-gather moves about half the bytes of bf16. The code is split by role:
 
-    weight_quant_format.py    the packed format and its arithmetic (the spec), the torch twins,
-                              the argument checks
-    weight_quant_kernels.py   the @triton.jit kernels and their tile layout
-    weight_quant.py           this file: ELEMS_PER_THREAD, the launchers, the ops (the twins on
-                              CPU, Triton on CUDA); the format's public names are re-exported here
-    triton_common.py          what qwZ shares with qgZ (``grad_quant*.py``)
+    weight_format.py    the packed format and its arithmetic (the spec), the torch twins,
+                        the argument checks
+    weight_kernels.py   the @triton.jit kernels and their tile layout
+    weight_ops.py       this file: ELEMS_PER_THREAD, the launchers, the ops (the twins on
+                        CPU, Triton on CUDA); the format's public names are re-exported here
+    triton_common.py    what qwZ shares with qgZ (``grad_*.py``)
 """
 from __future__ import annotations
 
 import torch
 
-from .buckets import member_starts
+from ..buckets import member_starts
 from .triton_common import HAS_TRITON, aligned_u8, interpreting, launch_context, require_triton, triton
-from .weight_quant_format import (
+from .weight_format import (
     check_bucket_layout,
     check_dequantize_args,
     check_quantize_args,
@@ -29,7 +29,7 @@ from .weight_quant_format import (
 )
 
 if HAS_TRITON:
-    from .weight_quant_kernels import qwz_dequantize_kernel, qwz_quantize_kernel
+    from .weight_kernels import qwz_dequantize_kernel, qwz_quantize_kernel
 
 __all__ = [
     "HAS_TRITON",
