@@ -4,9 +4,10 @@ A layer compiled as a graph of its own (Config.compile_layers_once) can start it
 only when it is called, after the previous layer's compute, so nothing hides that gather. This op
 holds the gather's program (the casts, copies and quantization that build the buffer the ranks
 exchange, compiled by Inductor as the graph's own code would have been: `runtime/programs.py`),
-issues the collective on what it computes, and does so one call ahead: when a graph calls it, it issues the call that
-followed this one in the previous step, on the shards that call read, so the collective runs on
-the network library's stream while this layer computes; the next call takes the result.
+issues the collective on what the program computes, and does so one call ahead: when a graph
+calls it, it issues the call that followed this one in the previous step, on the shards that call
+read, so the collective runs on the network library's stream while this layer computes; the next
+call takes the result.
 
 A call is known by what is the same on every rank: the layer (`layer_graphs.running`; in backward,
 the layer whose forward read the same shards), the program, and whether autograd's backward runs
