@@ -271,6 +271,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=3,
                    help="steps profiled for exposed communication (GPU; 0: off)")
     p.add_argument("--trace-dir", help="keep each variant's profiler trace (host and GPU) and op table here (GPU)")
+    p.add_argument("--host-profile", metavar="DIR",
+                   help="run --profile-steps more steps of each variant under Python's cProfile after the timed "
+                        "ones and write DIR/<variant>.pstats and its 40 costliest functions by own time (.txt): "
+                        "where the host's time goes in a step the host sets the pace of")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
     p.add_argument("--zpp-reduce-dtype", choices=sorted(DTYPES), default="bf16", help="zeropp's gradient reduce dtype")
     p.add_argument("--slow-link", action="store_true",
@@ -529,6 +533,25 @@ def timed(device: torch.device, run: Callable[[], None]) -> tuple[float, float]:
     host = time.perf_counter() - start
     end.synchronize()
     return begin.elapsed_time(end) / 1e3, host
+
+
+def profile_host(run: Callable[[], None], path: str, device: torch.device) -> None:
+    """Runs `run` under cProfile (the GPU synchronized after it, so no queued work falls on a later
+    step) and writes `path`.pstats and the 40 costliest functions by own time to `path`.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler.dump_stats(f"{path}.pstats")
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    Path(f"{path}.txt").write_text(text.getvalue())
 
 
 def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -810,6 +833,8 @@ def run_variant(variant: Variant, args: argparse.Namespace, data: list[tuple[tor
             exposed, peer_wait, busy = (rank_max(v, device) for v in (exposed, peer_wait, busy))
     elif simulated and device.type == "cpu":
         exposed = host_waited_share  # the time the program stood waiting for the modeled network
+    if args.host_profile and args.profile_steps:
+        profile_host(lambda: train(args.profile_steps), os.path.join(args.host_profile, trace_name), device)
     peak = rank_max(torch.cuda.max_memory_allocated(), device) if device.type == "cuda" else None
 
     tokens_per_s = world * args.batch * args.seq / seconds

@@ -57,9 +57,10 @@ def finish_reductions_later(graph: fx.Graph, ctx: PassContext) -> None:
         return
     shapes = results_literal(values)
     with graph.inserting_before(output):
-        later = graph.call_function(FINISH_REDUCTIONS_LATER, (inputs, program, shapes))
+        later = graph.call_function(FINISH_REDUCTIONS_LATER, (inputs, program, shapes, ctx.config.inductor))
         with detect_fake_mode(values):
-            later.meta["val"] = FINISH_REDUCTIONS_LATER([node.meta["val"] for node in inputs], program, shapes)
+            later.meta["val"] = FINISH_REDUCTIONS_LATER([node.meta["val"] for node in inputs], program, shapes,
+                                                        ctx.config.inductor)
         placeholders = {}
         for index, node in enumerate(results):
             placeholders[node] = graph.call_function(operator.getitem, (later, index))

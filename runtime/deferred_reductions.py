@@ -1,15 +1,16 @@
 """`zpp::finish_reductions_later`: a graph's last gradient reductions, finished during the next graph's backward.
 
-With Config.compile_layers_once the step is many graphs (each layer's, and those around the
-layers), and each backward graph issues its last gradient reductions at its end: waited for there,
-nothing of the graph is left to compute meanwhile, and the next graph's backward starts on the GPU
-only once they end. This op holds the rest of such a graph as a program: the waits of those
-reductions (issued in the graph, and running on the network library's stream) and what is
-computed from them up to the graph's outputs (the division by the group size, the cuts into
-shards, qgZ's dequantization). The graph returns placeholders in place of those gradients; the
-program runs when the next backward graph calls the op, once that graph's own reductions are
-issued, or at the end of the backward pass, whichever comes first, so the reductions run during
-the next graph's compute, as FSDP2's reduce-scatters run during the next block's backward.
+With Config.compile_layers_once the step is many graphs (each layer's, and those around the layers),
+and each backward graph issues its last gradient reductions at its end: waited for there, nothing of
+the graph is left to compute meanwhile, and the next graph's backward starts on the GPU only once
+they end. This op holds the rest of such a graph as a program: the waits of those reductions (issued
+in the graph, and running on the network library's stream) and what is computed from them up to the
+graph's outputs (the division by the group size, the cuts into shards, qgZ's dequantization), run as
+Inductor's code where the graph is (`runtime/programs.py`). The graph returns placeholders in place
+of those gradients; the program runs when the next backward graph calls the op, once that graph's
+own reductions are issued, or at the end of the backward pass, whichever comes first, so the
+reductions run during the next graph's compute, as FSDP2's reduce-scatters run during the next
+block's backward.
 
 The placeholders go to `LocalShards`, the autograd node that hands each shard's gradient to its
 parameter (`claim`). Where autograd would only accumulate the gradient into `.grad`, it hands none
@@ -30,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..torch_compat import at_backward_end, cuda_graph_unsafe_tags, graph_task_id
-from .programs import program_function
+from .programs import run_program
 
 
 @dataclass
@@ -73,16 +74,18 @@ class Unfinished:
 
     inputs: list[torch.Tensor] | None
     program: str
+    compiled: bool  # the program runs as Inductor's code ([Note: programs compiled by Inductor])
     graph_task: int
     results: tuple[torch.Tensor, ...] | None = None
     claims: dict[int, Callable[[torch.Tensor], None]] = field(default_factory=dict)
 
 
 @torch.library.custom_op("zpp::finish_reductions_later", mutates_args=(), tags=cuda_graph_unsafe_tags())
-def finish_reductions_later(inputs: list[torch.Tensor], program: str, results: str) -> list[torch.Tensor]:
+def finish_reductions_later(inputs: list[torch.Tensor], program: str, results: str,
+                            compiled: bool) -> list[torch.Tensor]:
     """Placeholders for `results` (a tuple literal of (dtype name, shape) pairs), the outputs of
-    `program` on `inputs`, which runs later (`finish_reductions`); the reductions left unfinished
-    by the graphs before run now."""
+    `program` on `inputs`, which runs later (`finish_reductions`), as Inductor's code where
+    `compiled` (else as FX's Python); the reductions left unfinished by the graphs before run now."""
     task = graph_task_id()
     if task == -1:
         raise RuntimeError("zpp::finish_reductions_later runs only in autograd's backward pass, where its "
@@ -90,7 +93,7 @@ def finish_reductions_later(inputs: list[torch.Tensor], program: str, results: s
     placeholders = [torch.full((), torch.nan, dtype=dtype, device=inputs[0].device).expand(shape)
                     for dtype, shape in _results(results)]
     finish_reductions()  # those of the graphs before this one: their collectives ran during its compute
-    reduction = Unfinished(list(inputs), program, task)
+    reduction = Unfinished(list(inputs), program, compiled, task)
     _STATE.unfinished.append(reduction)
     for index, placeholder in enumerate(placeholders):
         _STATE.placeholders[id(placeholder)] = (placeholder, reduction, index)
@@ -102,7 +105,7 @@ def finish_reductions_later(inputs: list[torch.Tensor], program: str, results: s
 
 
 @finish_reductions_later.register_fake
-def _(inputs, program, results):
+def _(inputs, program, results, compiled):
     return [inputs[0].new_empty((), dtype=dtype).expand(shape) for dtype, shape in _results(results)]
 
 
@@ -123,9 +126,9 @@ def finish_reductions() -> None:
     have cleared it since, to try again)."""
     unfinished, _STATE.unfinished = _STATE.unfinished, []
     for reduction in unfinished:
-        results = program_function(reduction.program)(*reduction.inputs)
+        results = run_program(reduction.program, reduction.inputs, reduction.compiled)
         reduction.inputs = None
-        reduction.results = results if isinstance(results, tuple) else (results,)
+        reduction.results = tuple(results) if isinstance(results, (tuple, list)) else (results,)  # Inductor's: a list
         _STATE.finished += 1
         if _running(reduction.graph_task):
             for index, set_on_parameter in reduction.claims.items():

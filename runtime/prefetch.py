@@ -112,8 +112,9 @@ class Issued(NamedTuple):
 
 def _memory(t: torch.Tensor) -> tuple:
     """Where a shard is: a compiled step reads it through tensors made for each call (views in
-    forward, `local_shards`; saved copies of those in backward), which share it."""
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    forward, `local_shards`; saved copies of those in backward), which share it. Tensors that
+    agree here read the same elements."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
 @torch.library.custom_op("zpp::gather_prefetched", mutates_args=(), tags=cuda_graph_unsafe_tags())
@@ -129,7 +130,7 @@ def gather_prefetched(inputs: list[torch.Tensor], program: str, gathered_numel: 
     call = _identify(inputs, memory, gather, backward or in_autograd_backward())
     pending, _STATE.pending = _STATE.pending, None
     if (pending is not None and (pending.call, pending.memory) == (call, memory)
-            and pending.versions == _parameter_versions(memory)):
+            and pending.versions == _read_shards(memory)[1]):
         issued = pending.result
         _STATE.count(hits=1)
     else:
@@ -151,7 +152,8 @@ def _identify(inputs: list[torch.Tensor], memory: tuple, gather: Gather, in_back
     if running is not None:  # a layer's forward (or its recompute in backward) reads the layer's own shards
         for key, t in zip(memory, inputs):
             shard = viewed_tensor(t)
-            if _memory(shard) == key:
+            known = _STATE.shards.get(key)
+            if (known is None or known[0]() is not shard or known[1] != running) and _memory(shard) == key:
                 _STATE.shards[key] = (weakref.ref(shard), running)
     layers = {_read_at(key)[1] for key in memory}
     layer = layers.pop() if len(layers) == 1 else None
@@ -177,24 +179,26 @@ def _read_at(key: tuple) -> tuple[torch.Tensor, tuple[int, str]] | tuple[None, N
     return (shard, layer) if shard is not None and _memory(shard) == key else (None, None)
 
 
-def _parameter_versions(memory: tuple) -> tuple[int, ...] | None:
-    """The versions of the parameters whose shards lie at `memory`: what a write to a parameter
-    (the optimizer's, or any other in place) changes. The shard's own version does not change, as
-    DTensor writes it below autograd."""
-    versions = []
+def _read_shards(memory: tuple) -> tuple[list[torch.Tensor], tuple[int, ...] | None]:
+    """The shards a layer's forward read at `memory` and the versions of their parameters: what a
+    write to a parameter (the optimizer's, or any other in place) changes; no versions where a
+    shard is gone, moved, or no parameter's. The shard's own version does not change, as DTensor
+    writes it below autograd."""
+    shards, versions = [], []
     for key in memory:
         shard, _ = _read_at(key)
         if shard is None:
-            return None
+            return shards, None
         parameter = _parameter_of(shard)
         if parameter is None:
             for param in list(REGISTRY.params.keys()):  # a shard not seen yet (or made anew): index them again
                 _STATE.parameters[dtensor_parts(param)[0]] = weakref.ref(param)
             parameter = _parameter_of(shard)
         if parameter is None:
-            return None
+            return shards, None
+        shards.append(shard)
         versions.append(write_count(parameter))
-    return tuple(versions)
+    return shards, tuple(versions)
 
 
 def _parameter_of(shard: torch.Tensor) -> torch.Tensor | None:
@@ -210,9 +214,8 @@ def _issue_following(call: GatherCall) -> None:
     following, memory = _STATE.successors.get(call, (None, ()))
     if following is None or following.layer[0] != call.layer[0]:
         return
-    versions = _parameter_versions(memory)
+    shards, versions = _read_shards(memory)
     if versions is not None:
-        shards = [_read_at(key)[0] for key in memory]
         _STATE.pending = Issued(following, memory, versions, following.gather.issue(shards))
 
 

@@ -5,14 +5,15 @@ A pass that hands part of a graph to a run-time op (`runtime.prefetch`,
 (`forward(self, *inputs)`); the op runs it with the names below, the only ones such source may use
 beyond its inputs.
 
-[Note: programs compiled by Inductor] Run as FX's Python, a program is one kernel per op: a
-bucket's casts and copies are a launch and a pass over memory each, where Inductor, had the
-program stayed in its graph, would have fused them into one kernel. `run_program(...,
-compiled=True)` (the ops ask for it where the graph itself was compiled by Inductor) compiles the
-program once for each shape of its inputs and runs Inductor's code: the same kernels the graph
-would have had. Compiled programs are kept by this module for the process (a handful: one per
-layer graph that holds a program, for each shape of its inputs), and Inductor's own caches serve
-them to a later process.
+[Note: programs compiled by Inductor] Run as FX's Python, a program is one kernel per op: a bucket's
+casts and copies are a launch and a pass over memory each, where Inductor, had the program stayed in
+its graph, would have fused them into one kernel. `run_program(..., compiled=True)` (the ops ask for
+it where the graph itself was compiled by Inductor) compiles the program once for each shape of its
+inputs and runs Inductor's code: the same kernels the graph would have had. A deferred reduction's
+end waits for collectives issued by the graph, its inputs: Inductor compiles those waits as it does
+a graph's. Compiled programs are kept by this module for the process (a handful: one per layer graph
+that holds a program, for each shape of its inputs), and Inductor's own caches serve them to a later
+process.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def run_program(program: str, inputs: list[torch.Tensor], compiled: bool) -> Any
         return function(*inputs)
 
 
-def compiled_count() -> int:
-    """How many programs Inductor has compiled in this process (each shape of inputs counted)."""
-    return len(_COMPILED)
+def compiled_programs() -> list[str]:
+    """The programs Inductor has compiled in this process, in the order compiled (a program once
+    for each shape of its inputs)."""
+    return [key[0] for key in _COMPILED]

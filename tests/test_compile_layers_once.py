@@ -286,12 +286,18 @@ def checkpointing_layers_run(rank: int, world_size: int) -> None:
 
 def inductor_run(rank: int, world_size: int) -> None:
     """Under Inductor, the layers' graphs give the unsharded stack's gradients to fp32 rounding,
-    the first gather of each layer graph computed by the program Inductor compiled for it."""
-    compiled_before = programs.compiled_count()
+    the first gather of each layer graph computed, and each backward graph's last reductions
+    finished, by the programs Inductor compiled for them."""
+    compiled_before = len(programs.compiled_programs())
     graphs, _ = stack_matches_unsharded_run(rank, world_size, lambda: [MlpLayer(8) for _ in range(3)], seed=4,
                                             inductor=True)
     assert sum(one_layer for _, one_layer in graphs) == 2  # the first layer's and the others'
-    assert programs.compiled_count() > compiled_before  # the prefetched gathers' programs, forward and backward
+    compiled = programs.compiled_programs()[compiled_before:]
+    # The prefetched gathers' programs (what each sends: no collective, no wait) and the deferred
+    # reductions' ends (each waits for its reduce-scatter, then divides and cuts).
+    issues = ("_c10d_functional.all_gather", "_c10d_functional.reduce_scatter")
+    assert any("wait_tensor" not in program and not any(map(program.__contains__, issues)) for program in compiled)
+    assert any("wait_tensor" in program and not any(map(program.__contains__, issues)) for program in compiled)
 
 
 def no_sync_layers_run(rank: int, world_size: int) -> None:

@@ -635,8 +635,8 @@ def test_finish_reductions_later__a_layer_graphs_last_reductions_end_in_one_op_r
     # reading the reduce-scatter's result; the output is its placeholder. The weight gathers (not
     # computed from the incoming gradient) keep their waits, every collective stays in the graph.
     (later,) = calls(graph, FINISH_REDUCTIONS_LATER)
-    inputs, program, results = later.args
-    assert inputs == [scatter] and results == "(('float32', (5,)),)"
+    inputs, program, results, compiled = later.args
+    assert inputs == [scatter] and results == "(('float32', (5,)),)" and compiled == one_layer.config.inductor
     output = next(iter(graph.find_nodes(op="output")))
     placeholder = output.args[0][2]
     assert output.args[0][:2] == (used, flat) and placeholder.args == (later, 0)
@@ -692,7 +692,7 @@ def test_finish_reductions_later__an_item_of_a_collective_in_the_tail_enters_the
     finish_reductions_later(graph, one_layer)
 
     (later,) = calls(graph, FINISH_REDUCTIONS_LATER)
-    inputs, program, _ = later.args
+    inputs, program, _, _ = later.args
     assert inputs == [item] and hop in graph.nodes and item in graph.nodes
     summed = torch.arange(24.0)
     torch.testing.assert_close(program_function(program)(summed), summed[:5] / 4)

@@ -300,7 +300,8 @@ def test_autograd_tells_a_backward_that_only_accumulates_and_runs_callbacks_at_i
 
         @staticmethod
         def backward(ctx, grad):
-            seen.append((tc.graph_task_id() != -1, tc.accumulates_into_grad(param)))
+            (accumulator,) = tc.gradient_accumulators(ctx)
+            seen.append((tc.graph_task_id() != -1, tc.accumulates_into_grad(param, accumulator)))
             tc.at_backward_end(lambda: seen.append("end"))
             return grad
 
@@ -532,3 +533,41 @@ def test_a_gpu_spin_occupies_the_stream_for_its_cycles():
     end.record()
     end.synchronize()
     assert 1 < start.elapsed_time(end) < 100
+
+
+def test_a_frame_run_as_python_is_not_checked_by_dynamo_again_and_the_frames_it_calls_still_compile():
+    """compile_layers_once calls each layer through a function Dynamo must not compile; unmarked,
+    Dynamo's frame callback checks that function's frame anew at every call (host time per layer)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({getattr(n.target, "__name__", n.target) for n in gm.graph.nodes
+                       if n.op in ("call_function", "call_method")})
+        return gm.forward
+
+    def layer(x):
+        return x.sin()
+
+    def marked(x):
+        return layer(x) + 1
+
+    def unmarked(x):
+        return layer(x) + 1
+
+    tc.run_frames_as_python(marked)
+    calls = {name: torch.compiler.disable(fn, recursive=False) for name, fn in (("marked", marked),
+                                                                                ("unmarked", unmarked))}
+    x = torch.ones(3)
+    for name, call in calls.items():
+        compiled = torch.compile(lambda x: call(x) * 2, backend=backend)
+        compiled(x)
+        torch._dynamo.eval_frame.reset_skip_reasons()
+        for _ in range(3):
+            out = compiled(x)
+        checked = [r for r in torch._dynamo.eval_frame.get_skip_reasons() if r.startswith(f"{name} (")]
+        assert len(checked) == (0 if name == "marked" else 3), checked
+        torch.testing.assert_close(out, (x.sin() + 1) * 2)
+    # The layer's frame was compiled as a graph of its own (sin), the functions calling it ran as
+    # Python (their `+ 1` is in no graph), and the caller resumed in a graph after them (the
+    # second caller's code is the first's: Dynamo's cache served it).
+    assert graphs == [{"sin"}, {"mul"}]

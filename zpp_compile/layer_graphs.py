@@ -28,7 +28,7 @@ import torch.nn as nn
 from .module_state import HeldShards, held_shards, layer_identity, mark_layer
 from .runtime.job import warn_for_the_job
 from .runtime.layer_scope import running, running_layer
-from .torch_compat import frame_recompile_limit
+from .torch_compat import frame_recompile_limit, run_frames_as_python
 
 if TYPE_CHECKING:
     from .dump import GraphDump
@@ -80,12 +80,13 @@ def _compiled_on_its_own(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     raised_cap = frame_recompile_limit(_LAYER_GRAPHS_PER_FRAME)  # made once, not at every layer call (host time)
 
-    @torch.compiler.disable(recursive=False)
     def run_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with running(layer_identity(layer)), raised_cap:
             return forward(layer, *args, **kwargs)
 
-    return run_layer
+    # Dynamo would otherwise check at every layer call, anew, that this frame is not to be compiled.
+    run_frames_as_python(run_layer)
+    return torch.compiler.disable(run_layer, recursive=False)
 
 
 # The graph id each layer (sharding id, qualified name) ran last in training: this module's own,

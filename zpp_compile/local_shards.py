@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from .runtime.deferred_reductions import claim, is_placeholder
-from .torch_compat import EXAMPLE_VALUE, accumulates_into_grad, dtensor_parts, dtensor_with_spec
+from .torch_compat import EXAMPLE_VALUE, accumulates_into_grad, dtensor_parts, dtensor_with_spec, gradient_accumulators
 
 
 def local_shard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], tuple[int, ...]]:
@@ -86,9 +86,11 @@ class LocalShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
         handed = []
-        for grad, param, spec, stride in zip(grads, ctx.params, ctx.specs, ctx.strides):
+        accumulators = gradient_accumulators(ctx)
+        for grad, param, spec, stride, accumulator in zip(grads, ctx.params, ctx.specs, ctx.strides, accumulators):
             if grad is not None and is_placeholder(grad):
-                later = functools.partial(_accumulate, param, spec, stride) if accumulates_into_grad(param) else None
+                accumulates = accumulates_into_grad(param, accumulator)
+                later = functools.partial(_accumulate, param, spec, stride) if accumulates else None
                 grad = claim(grad, later)
             handed.append(None if grad is None else _as_gradient(grad, spec, stride))
         return tuple(handed)

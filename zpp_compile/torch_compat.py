@@ -168,19 +168,29 @@ def at_backward_end(callback: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def accumulates_into_grad(param: torch.Tensor) -> bool:
+def accumulates_into_grad(param: torch.Tensor, accumulator: Any) -> bool:
     """Whether the backward pass running now accumulates into `param.grad` with nothing of the
     user's around it: not `torch.autograd.grad` (which hands gradients back instead) nor a
     backward whose `inputs=` leave it out, no hook on the parameter (registered with
     `register_hook` or `register_post_accumulate_grad_hook`), and no graph of the backward built
     (create_graph). Then zeropp may set `.grad` itself, later in the same backward pass, as
-    autograd would have. torch asks its engine the first question only privately."""
-    if torch.is_grad_enabled() or param._backward_hooks or param._post_accumulate_grad_hooks:
+    autograd would have. `accumulator`: the node that accumulates `param`'s gradient, as the
+    autograd node reading `param` finds it (`gradient_accumulators`); asked of the parameter
+    instead (`get_gradient_edge`), it costs two views through the parameter's subclass (DTensor)
+    dispatch for each parameter in each backward pass. torch asks its engine the first question
+    only privately."""
+    if accumulator is None or torch.is_grad_enabled() or param._backward_hooks or param._post_accumulate_grad_hooks:
         return False
     try:
-        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+        return torch._C._will_engine_execute_node(accumulator)
     except RuntimeError:  # asked of a leaf while torch.autograd.grad runs, which accumulates into none
         return False
+
+
+def gradient_accumulators(ctx: Any) -> list[Any]:
+    """For each input of the autograd function whose backward runs with `ctx`, the node its
+    gradient goes to: a leaf's gradient accumulator (None for an input that needs no gradient)."""
+    return [node for node, _ in ctx.next_functions]
 
 
 # An FX node's target when it is an operator (ATen or custom), not a Python function.
@@ -228,6 +238,16 @@ def frame_recompile_limit(limit: int) -> Any:
     fewer than torch's own setting when it is made; older torch names it cache_size_limit)."""
     key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     return dynamo_config.patch(**{key: max(limit, getattr(dynamo_config, key))})
+
+
+def run_frames_as_python(function: Any) -> None:
+    """Dynamo runs every frame of `function` as Python without asking its frame callback, whose
+    check of a frame it will not compile (a function under `torch.compiler.disable(recursive=False)`)
+    it does not remember and runs again at every call; the frames `function` calls are compiled as
+    before. torch's own `torch._dynamo.skip` does this, privately."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(function.__code__)
 
 
 def dtensor_cache_keys_stable() -> bool:
