@@ -273,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-dir", help="keep each variant's profiler trace (host and GPU) and op table here (GPU)")
     p.add_argument("--host-profile", metavar="DIR",
                    help="run --profile-steps more steps of each variant under Python's cProfile after the timed "
-                        "ones and write DIR/<variant>.pstats and its 40 costliest functions by own time (.txt): "
+                        "ones and write DIR/<variant>.pstats and its costliest functions (.txt): "
                         "where the host's time goes in a step the host sets the pace of")
     p.add_argument("--ranks-per-node", type=int, help="ranks per emulated node (default: half the ranks)")
     p.add_argument("--zpp-reduce-dtype", choices=sorted(DTYPES), default="bf16", help="zeropp's gradient reduce dtype")
@@ -537,7 +537,8 @@ def timed(device: torch.device, run: Callable[[], None]) -> tuple[float, float]:
 
 def profile_host(run: Callable[[], None], path: str, device: torch.device) -> None:
     """Runs `run` under cProfile (the GPU synchronized after it, so no queued work falls on a later
-    step) and writes `path`.pstats and the 40 costliest functions by own time to `path`.txt."""
+    step) and writes `path`.pstats, and to `path`.txt the 40 costliest functions by own time and the 60
+    costliest counting what they call."""
     import cProfile
     import io
     import pstats
