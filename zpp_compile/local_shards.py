@@ -86,10 +86,11 @@ class LocalShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
         handed = []
-        accumulators = gradient_accumulators(ctx)
-        for grad, param, spec, stride, accumulator in zip(grads, ctx.params, ctx.specs, ctx.strides, accumulators):
+        accumulators = None  # read only for a placeholder: most backward passes hand none
+        for index, (grad, param, spec, stride) in enumerate(zip(grads, ctx.params, ctx.specs, ctx.strides)):
             if grad is not None and is_placeholder(grad):
-                accumulates = accumulates_into_grad(param, accumulator)
+                accumulators = accumulators or gradient_accumulators(ctx)
+                accumulates = accumulates_into_grad(param, accumulators[index])
                 later = functools.partial(_accumulate, param, spec, stride) if accumulates else None
                 grad = claim(grad, later)
             handed.append(None if grad is None else _as_gradient(grad, spec, stride))
