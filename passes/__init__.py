@@ -10,8 +10,8 @@ from .checkpoint_activations import checkpoint_activations
 from .finish_reductions_later import finish_reductions_later
 from .fold_bucket_copies import fold_bucket_copies
 from .gather_once import gather_once
-from .hierarchical_partition import hierarchical_partition
 from .lower_collectives import lower_collectives
+from .partition_hierarchically import partition_hierarchically
 from .prefetch_across_layers import prefetch_across_layers
 from .quantize_gradients import quantize_gradients
 from .quantize_weights import quantize_weights
@@ -29,7 +29,7 @@ PASSES: tuple[GraphPass, ...] = (
               wanted=lambda config: config.activation_checkpointing != "none"),
     GraphPass("quantize_weights", "joint", quantize_weights,
               wanted=lambda config: config.quantized_weights),
-    GraphPass("hierarchical_partition", "joint", hierarchical_partition,
+    GraphPass("partition_hierarchically", "joint", partition_hierarchically,
               wanted=lambda config: config.hpz_partition_size > 0),
     GraphPass("quantize_gradients", "lowering", quantize_gradients,
               wanted=lambda config: config.quantized_gradients),

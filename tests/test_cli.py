@@ -59,7 +59,7 @@ def report_json(run: Path, rank: int, capsys) -> dict:
 
 def test_dump_has_before_and_after_of_every_enabled_pass(paper_run):
     passes = enabled_passes(zpp.Config(**PAPER))
-    assert {p.name for p in passes} >= {"hierarchical_partition", "quantize_weights", "quantize_gradients"}
+    assert {p.name for p in passes} >= {"partition_hierarchically", "quantize_weights", "quantize_gradients"}
     for rank in (0, 1):
         folder = paper_run / "dump" / f"rank{rank}"
         for index, graph_pass in enumerate(p for p in passes if p.stage == "joint"):
@@ -105,7 +105,7 @@ def test_report_totals_equal_the_ledger_of_the_same_run(paper_run, rank, capsys)
     assert 0 < from_dump["inter_ratio"] <= 0.26
     assert main(["report", str(paper_run / "dump"), "--rank", str(rank)]) == 0
     table = capsys.readouterr().out
-    assert f"{from_dump['inter_bytes']:,}" in table and "hierarchical_partition" in table
+    assert f"{from_dump['inter_bytes']:,}" in table and "partition_hierarchically" in table
 
 
 @pytest.mark.parametrize("options, run", [

@@ -39,8 +39,8 @@ from zpp_compile.passes.checkpoint_activations import checkpoint_activations
 from zpp_compile.passes.finish_reductions_later import finish_reductions_later
 from zpp_compile.passes.fx_util import ancestors, backward_nodes, layer_of, weight_chain
 from zpp_compile.passes.gather_once import gather_once
-from zpp_compile.passes.hierarchical_partition import hierarchical_partition
 from zpp_compile.passes.lower_collectives import lower_collectives
+from zpp_compile.passes.partition_hierarchically import partition_hierarchically
 from zpp_compile.passes.prefetch_across_layers import prefetch_across_layers
 from zpp_compile.passes.quantize_gradients import quantize_gradients
 from zpp_compile.passes.quantize_weights import quantize_weights
@@ -413,8 +413,8 @@ def hpz_lowered(*joint_passes: Callable, group: tuple[int, ...] = (0, 1), **conf
     return joint.graph, forward, backward
 
 
-def test_hierarchical_partition__backward_gathers_within_the_secondary_group_only():
-    joint, forward, backward = hpz_lowered(reshard_after_forward, hierarchical_partition)
+def test_partition_hierarchically__backward_gathers_within_the_secondary_group_only():
+    joint, forward, backward = hpz_lowered(reshard_after_forward, partition_hierarchically)
 
     # Forward keeps rank 1's half of each weight backward reads (not the first norm's) as its copy.
     copies = [n for n in joint.nodes if n.meta.get(SECONDARY_COPY)]
@@ -442,8 +442,8 @@ def test_hierarchical_partition__backward_gathers_within_the_secondary_group_onl
         ("all_gather_into_tensor", WORLD, 4)}
 
 
-def test_hierarchical_partition__after_qwz_the_copy_is_int8_and_backward_dequantizes_it():
-    joint, forward, backward = hpz_lowered(reshard_after_forward, quantize_weights, hierarchical_partition,
+def test_partition_hierarchically__after_qwz_the_copy_is_int8_and_backward_dequantizes_it():
+    joint, forward, backward = hpz_lowered(reshard_after_forward, quantize_weights, partition_hierarchically,
                                            quantized_weights=True, weight_block_size=32)
     # The matrices' copies are half the gathered INT8 bytes; the norms' half their float weights.
     gathers = [c for c in collectives(backward) if c[0] == "all_gather_into_tensor"]
@@ -455,10 +455,10 @@ def test_hierarchical_partition__after_qwz_the_copy_is_int8_and_backward_dequant
                                                      ("all_gather_into_tensor", WORLD, 4, torch.float32)}
 
 
-def test_hierarchical_partition__a_weight_held_for_a_later_graph_gets_no_copy():
+def test_partition_hierarchically__a_weight_held_for_a_later_graph_gets_no_copy():
     # The graph returns the weight, and its backward reads none: nothing to keep a copy for.
     joint = capture_joint(HeldForLaterGraph(), torch.tensor([[1, 2, 2]]))
-    hierarchical_partition(joint.graph, context(topology=topology(1, (0, 1)), hpz_partition_size=2))
+    partition_hierarchically(joint.graph, context(topology=topology(1, (0, 1)), hpz_partition_size=2))
     assert not [n for n in joint.graph.nodes if n.meta.get(SECONDARY_COPY)]
     (gather,) = calls(joint.graph, GATHER)
     output = next(iter(joint.graph.find_nodes(op="output")))
@@ -699,8 +699,8 @@ def test_finish_reductions_later__an_item_of_a_collective_in_the_tail_enters_the
     graph.lint()
 
 
-def test_hierarchical_partition__a_group_of_one_keeps_the_whole_weight_and_backward_gathers_nothing():
-    joint, _, backward = hpz_lowered(reshard_after_forward, hierarchical_partition, group=(1,))
+def test_partition_hierarchically__a_group_of_one_keeps_the_whole_weight_and_backward_gathers_nothing():
+    joint, _, backward = hpz_lowered(reshard_after_forward, partition_hierarchically, group=(1,))
     copies = [n for n in joint.nodes if n.meta.get(SECONDARY_COPY)]
     assert len(copies) == 5 and all(n.target is GATHER and n.meta[RECOMPUTE] == MUST_SAVE for n in copies)
     assert [c[0] for c in collectives(backward)] == ["reduce_scatter_tensor"] * 6

@@ -250,7 +250,7 @@ class Config:
             given = ", ".join(f"{key}={getattr(config, key)!r}" for key in changed)
             sharded = ", ".join(f"{key}={getattr(self, key)!r}" for key in changed)
             hint = ("; to switch hpZ off for one compilation, use options={'disable_passes': "
-                    "['hierarchical_partition']}" if "hpz_partition_size" in changed and self.hpz_partition_size
+                    "['partition_hierarchically']}" if "hpz_partition_size" in changed and self.hpz_partition_size
                     and not config.hpz_partition_size else "")
             raise ConfigError(
                 f"torch.compile(..., backend='zeropp', options=...) sets {given}, but the model was sharded with "

@@ -109,7 +109,7 @@ def predict(config: Config, n_params: int, world_size: int, ranks_per_node: int,
         raise ConfigError(f"the parameter count must be positive, got {n_params}")
     config.check_topology(world_size, ranks_per_node)
     on = {p.name for p in enabled_passes(config)}
-    hpz = "hierarchical_partition" in on
+    hpz = "partition_hierarchically" in on
     qwz = "quantize_weights" in on
     qgz = "quantize_gradients" in on
     link = _Link(world_size, ranks_per_node)

@@ -12,7 +12,7 @@ from .base import RECOMPUTED, SECONDARY_COPY, PassContext, weight_gathers
 from .fx_util import backward_nodes, insert_traced, weight_chain
 
 
-def hierarchical_partition(graph: fx.Graph, ctx: PassContext) -> None:
+def partition_hierarchically(graph: fx.Graph, ctx: PassContext) -> None:
     """Backward re-gathers each weight from a secondary copy sharded over `hpz_partition_size` ranks.
 
     For every parameter gather whose weight backward uses: forward keeps this rank's slice of
