@@ -4,6 +4,8 @@ torch's structured trace (TORCH_TRACE / tlparse), beside Inductor's own graphs."
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -11,6 +13,7 @@ import torch.fx as fx
 import zpp_compile as zpp
 from zpp_compile import pass_observers
 from zpp_compile.pass_manager import PassManager
+from zpp_compile.passes import PASSES
 from zpp_compile.runtime.topology import Group, Topology
 
 
@@ -46,3 +49,16 @@ def test_a_graph_without_zeropp_ops_is_left_alone():
     manager.run("lowering", graph)
     assert graph.python_code("self").src == code
     assert manager.graphs == [] and not manager.joint_done and manager.secondary_bytes == 0
+
+
+def test_every_pass_has_a_graph_level_test():
+    # A pass's test on a small graph of its own is named test_<pass>__<what it does> (the joint and
+    # the lowering passes' files) or is a file of its own, tests/test_<pass>.py; a pass added to
+    # PASSES needs one. Bucketing and the overlap schedule are tested in test_schedule.py.
+    tests = Path(__file__).parent
+    files = sorted(tests.glob("test_*.py"))
+    named = {m for f in files for m in re.findall(r"^def test_(\w+?)__", f.read_text(), re.MULTILINE)}
+    own_files = {f.stem.removeprefix("test_") for f in files}
+    in_test_schedule = {"bucket_collectives", "schedule_overlap"}
+    missing = {p.name for p in PASSES} - named - own_files - in_test_schedule
+    assert not missing, missing

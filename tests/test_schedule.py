@@ -15,7 +15,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from distributed import device, in_turn, run_ranks
 from models import Block, TinyTransformer, batches
-from torch._inductor import metrics
 from torch._subclasses.fake_tensor import FakeTensorMode
 from training import PER_RANK, STEPS, train, train_sharded
 
@@ -25,7 +24,6 @@ from zpp_compile.ledger import LEDGER, PHASES, collectives_by_node, phase_of
 from zpp_compile.passes import PASSES, PassContext, fx_util, schedule_overlap
 from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
-from zpp_compile.runtime.buckets import side_by_side
 from zpp_compile.runtime.collectives import ALL_GATHERS
 from zpp_compile.runtime.topology import Group, Topology
 from zpp_compile.sharding import _layers
@@ -153,88 +151,6 @@ def test_quantized_buckets_are_quantized_and_dequantized_in_place(results):
                        "join_bucket": 0, "split_bucket": 0}
     assert backward == {"quantize_bucket": 0, "quantize_weight": 0, "dequantize_bucket": 1, "dequantize_weight": 1,
                         "join_bucket": 0, "split_bucket": 0}
-
-
-def run_pass(name: str, graph: fx.Graph, kind: str = "forward") -> None:
-    """Runs one of PASSES, by name, on a small graph."""
-    next(p for p in PASSES if p.name == name).run(graph, PassContext(zpp.Config(), None, f"g0.{kind}", kind))
-
-
-def test_the_copy_in_is_folded_into_the_quantization():
-    segments, B = (128, 64, 32), 32
-    shards = [torch.randn(100), torch.randn(64), torch.randn(1)]
-
-    def lowered(also_return_joined: bool) -> tuple[fx.GraphModule, list]:
-        def step(*shards):
-            joined = torch.ops.zpp.join_bucket(list(shards), list(segments))
-            packed = torch.ops.zpp.quantize_weight(joined, B)
-            return (packed, joined) if also_return_joined else packed
-        module = torch.fx.experimental.proxy_tensor.make_fx(step, tracing_mode="fake")(*shards)
-        expected = module(*shards)
-        run_pass("fold_bucket_copies", module.graph)
-        module.recompile()
-        return module, expected
-
-    module, expected = lowered(also_return_joined=False)
-    assert torch.equal(module(*shards), expected)
-    targets = [n.target for n in module.graph.nodes if n.op == "call_function"]
-    assert targets == [torch.ops.zpp.quantize_bucket.default]
-    # The joined shards used elsewhere too: the join becomes the shards placed side by side.
-    module, expected = lowered(also_return_joined=True)
-    assert all(torch.equal(a, b) for a, b in zip(module(*shards), expected))
-    targets = {n.target for n in module.graph.nodes if n.op == "call_function"}
-    assert torch.ops.zpp.quantize_weight.default in targets and torch.ops.aten.where.self in targets
-    assert not targets & {torch.ops.zpp.quantize_bucket.default, torch.ops.zpp.join_bucket.default}
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-def test_a_full_precision_join_is_one_kernel_with_its_cast_and_changes_no_bit(rows):
-    # A Llama layer's bucket has 9 members: past 8, Inductor lowers a concatenation as a copy
-    # per member into a buffer (and a second pass to cast it); placed side by side, it is one kernel.
-    sizes = [3, 100, 25, 25, 100, 3, 250, 250, 250]
-    segments = [-(-size // 16) * 16 + 16 * (i % 2) for i, size in enumerate(sizes)]
-    pieces = [torch.randn(rows, size) for size in sizes]
-    pieces[1][0, 0] = -0.0  # a zero's sign survives too
-
-    def placed(*pieces):
-        return side_by_side(list(pieces), segments).to(torch.bfloat16)
-
-    expected = torch.cat([F.pad(p, (0, seg - p.shape[1])) for p, seg in zip(pieces, segments)], dim=1)
-    torch._dynamo.reset()
-    metrics.reset()
-    out = torch.compile(placed, backend="inductor", fullgraph=True)(*pieces)
-    assert metrics.generated_kernel_count == 1
-    assert torch.equal(out.view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
-    assert torch.equal(side_by_side(pieces, segments), expected)  # eagerly too
-
-
-def test_the_copy_out_is_folded_into_the_dequantization():
-    segments, sizes, R, B = (128, 64), (100, 64), 2, 32
-    rows = [torch.cat([F.pad(torch.randn(size), (0, seg - size)) for seg, size in zip(segments, sizes)])
-            for _ in range(R)]
-    packed = torch.cat([torch.ops.zpp.quantize_weight(row, B) for row in rows])
-
-    def lowered(also_return_values: bool) -> tuple[fx.GraphModule, list]:
-        def step(packed):
-            values = torch.ops.zpp.dequantize_weight(packed, sum(segments), B, torch.float32)
-            weights = torch.ops.zpp.split_bucket(values, R, list(segments), list(sizes))
-            return (weights, values) if also_return_values else weights
-        module = torch.fx.experimental.proxy_tensor.make_fx(step)(packed)
-        expected = module(packed)
-        run_pass("fold_bucket_copies", module.graph)
-        module.recompile()
-        return module, expected
-
-    module, expected = lowered(also_return_values=False)
-    assert torch.equal(module(packed), expected)
-    targets = [n.target for n in module.graph.nodes if n.op == "call_function"]
-    assert targets == [torch.ops.zpp.dequantize_bucket.default]
-    # Values used elsewhere too (hpZ keeping the dequantized copy): the split becomes plain copies.
-    module, expected = lowered(also_return_values=True)
-    assert all(torch.equal(a, b) for a, b in zip(module(packed), expected))
-    targets = {n.target for n in module.graph.nodes if n.op == "call_function"}
-    assert torch.ops.zpp.dequantize_weight.default in targets and torch.ops.aten.cat.default in targets
-    assert not targets & {torch.ops.zpp.dequantize_bucket.default, torch.ops.zpp.split_bucket.default}
 
 
 # ------------------------------------------------------------- layer boundaries, on a small graph
@@ -603,52 +519,3 @@ def test_the_issue_order_checks_fail_without_overlap():
     assert overlapped_by_matmuls(ahead, "reduce_scatter_tensor")
 
 
-# ------------------------------------------------------------------ values shared by every layer
-
-
-def shared_rope_step(positions: torch.Tensor, hidden: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
-    """A "layer" per weight (a matmul, then RoPE's pointwise use of one cos and one sin of the
-    positions), and values that should stay inlined: a cheap one read by every layer, a costly
-    one read twice."""
-    cos, sin = positions.cos(), positions.sin()
-    cheap = positions * 2
-    for weight in weights:
-        hidden = hidden @ weight
-        hidden = hidden * cos + torch.cat([-hidden[:, 2:], hidden[:, :2]], -1) * sin + cheap
-    costly_pair = hidden.exp()
-    return [costly_pair + 1, costly_pair * 2]
-
-
-def rope_inputs() -> list[torch.Tensor]:
-    return [torch.randn(8, 4), torch.randn(8, 4)] + [torch.randn(4, 4) for _ in range(6)]
-
-
-def test_costly_values_read_by_every_layer_are_marked_to_be_stored():
-    module = torch.fx.experimental.proxy_tensor.make_fx(shared_rope_step, tracing_mode="fake")(*rope_inputs())
-    run_pass("realize_shared_values", module.graph)
-    marked = {n.target for n in module.graph.nodes if n.meta.get("inductor_realize_to_strides")}
-    assert marked == {torch.ops.aten.cos.default, torch.ops.aten.sin.default}
-
-
-def test_inductor_computes_a_marked_value_once():
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.utils import run_and_get_code
-
-    def compiled(marking: bool) -> str:
-        def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            if marking:
-                run_pass("realize_shared_values", gm.graph, "inference")
-            return compile_fx_inner(gm, example_inputs)
-
-        torch._dynamo.reset()
-        step = torch.compile(shared_rope_step, backend=torch._dynamo.backends.common.aot_autograd(fw_compiler=backend))
-        with torch._inductor.config.patch(fx_graph_cache=False):  # its key does not cover the mark
-            _, (code, *_) = run_and_get_code(step, *rope_inputs())
-        return code
-
-    def calls_computing_cos(code: str) -> int:  # Inductor names a kernel after the ops fused into it
-        return len(re.findall(r"^\s+\w*_cos\w*(?:\.run)?\(", code, flags=re.MULTILINE))
-
-    # Inductor computes cos inside every layer's kernel, unless it is marked to be stored.
-    assert calls_computing_cos(compiled(marking=False)) == 6
-    assert calls_computing_cos(compiled(marking=True)) == 1
