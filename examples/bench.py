@@ -119,11 +119,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zpp_compile as zpp
-from zpp_compile import padding, text_table
 from zpp_compile.config import field_setting
+from zpp_compile.reports import text_table
 from zpp_compile.runtime.network_model import PRESETS, Network, network_from_preset
 from zpp_compile.runtime.simulated_group import COLLECTIVE_KERNEL, SimulatedWorld, init_simulated_world
 from zpp_compile.runtime.topology import world_received_bytes
+from zpp_compile.sharding import padding
 
 SLOW_LINK_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

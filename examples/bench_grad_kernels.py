@@ -36,7 +36,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernels' definition
 
-from zpp_compile import text_table  # noqa: E402
+from zpp_compile.reports import text_table  # noqa: E402
 from zpp_compile.runtime.quantization import grad_ops as gq  # noqa: E402
 
 ESIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}

@@ -74,7 +74,7 @@ from bench import (  # examples/bench.py (this folder)
     variant_spec_error,
 )
 
-from zpp_compile import text_table
+from zpp_compile.reports import text_table
 from zpp_compile.runtime.network_model import PRESETS, Network, network_from_preset
 
 # Llama-3.2 layouts; "small" is a narrow model whose compilation is that of a deep one.

@@ -63,7 +63,7 @@ from gpt import (  # examples/gpt.py
 from torch.distributed.tensor import DTensor
 
 import zpp_compile as zpp
-from zpp_compile import text_table
+from zpp_compile.reports import text_table
 
 VARIANT_NAMES = ("zero3", "qwz", "qgz", "all3", "qgz_int4")
 CLIP_NORM = 1.0  # gradient clipping

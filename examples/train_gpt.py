@@ -30,7 +30,7 @@ from gpt import GPT, GPTConfig, batch, emulated_ranks_per_node, init_distributed
 from tqdm import tqdm
 
 import zpp_compile as zpp
-from zpp_compile import text_table
+from zpp_compile.reports import text_table
 
 # Each phase of a step: the ZeRO++ technique that rewrites it, and the Config field that switches it on.
 TECHNIQUES = {"forward weight gather": ("qwZ", "quantized_weights"),

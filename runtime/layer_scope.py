@@ -1,6 +1,6 @@
 """Which layer's own graph runs or compiles now (Config.compile_layers_once).
 
-Written only by `zpp_compile.layer_graphs`, through `running` around each layer's forward; read
+Written only by `zpp_compile.compiler.layer_graphs`, through `running` around each layer's forward; read
 by the backend (a graph compiled meanwhile is that layer's own) and by the weight prefetch (its
 predictions follow layers). A layer is (sharding id, qualified name).
 """

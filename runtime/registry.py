@@ -7,9 +7,9 @@ waiting for their initial values, and the accumulators of gradients kept while g
 off (found by key from inside compiled backward graphs).
 
 The rest of zeropp's process-wide state lives with the code that changes it ([Note: state
-owners] in docs/internals.md): the ledger (`zpp_compile.ledger`), graph ids (`zpp_compile.backend`),
+owners] in docs/internals.md): the ledger (`zpp_compile.reports.ledger`), graph ids (`zpp_compile.compiler.backend`),
 agreed schedules (`runtime.agreement`), the running layer (`runtime.layer_scope`) and what each
-layer ran (`zpp_compile.layer_graphs`), the prefetch's predictions (`runtime.prefetch`), the
+layer ran (`zpp_compile.compiler.layer_graphs`), the prefetch's predictions (`runtime.prefetch`), the
 deferred reductions (`runtime.deferred_reductions`), the CUDA graphs' watch (`runtime.cuda_graphs`)
 and the passes' traces (`passes.fx_util`).
 """
@@ -48,7 +48,7 @@ class Registry:
     # Shards and buffers allocated but not yet given values (NaN until then), by tensor -> state:
     # what to_empty() after shard left, or meta modules shard() had no init for.
     unset: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-    # zpp_compile.parameter_reads.GradAccumulator by key: what `zpp::add_kept_grad` takes the kept gradient from.
+    # sharding.parameter_reads.GradAccumulator by key: what `zpp::add_kept_grad` takes the kept gradient from.
     accumulators: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     accumulator_keys: itertools.count = field(default_factory=itertools.count)
 

@@ -42,7 +42,7 @@ seconds.
   agreement checks: CPU tensors in a CUDA run) are filled at once and take no time.
 
 `SimulatedWorld.ledger` records each group's collectives by op (count, bytes, charged seconds):
-what ran, for a benchmark's exposed communication, unlike zpp_compile.ledger, which reads what the
+what ran, for a benchmark's exposed communication, unlike zpp_compile.reports.ledger, which reads what the
 compiled graphs say they issue.
 
 Naming: the world's groups are made under torch's backend name "fake" (`torch_compat.

@@ -331,7 +331,7 @@ def _forget_compiled() -> None:
     secondary_copy_bytes read).
 
     Dynamo keeps each compiled function as a global of the module whose frame it compiled (for a
-    sharded model, zpp_compile.forward_scope) past its reset: left there, every call's graphs and
+    sharded model, zpp_compile.sharding.forward_scope) past its reset: left there, every call's graphs and
     fake tensors would stay alive in a kept rank, and each later compile slows as the heap grows.
     Each is set to None, not deleted: Dynamo deletes the name itself once its code is collected."""
     torch.compiler.reset()

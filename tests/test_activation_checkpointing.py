@@ -18,7 +18,7 @@ from distributed import device, run_ranks
 from extras import needs, optional
 
 import zpp_compile as zpp
-from zpp_compile.ledger import LEDGER
+from zpp_compile.reports.ledger import LEDGER
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402

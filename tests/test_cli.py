@@ -14,10 +14,10 @@ import pytest
 
 import zpp_compile as zpp
 from zpp_compile.cli import main
-from zpp_compile.explain import predict
-from zpp_compile.pass_manager import enabled_passes
+from zpp_compile.compiler.pass_manager import enabled_passes
 from zpp_compile.passes import PASSES
-from zpp_compile.schedule_image import can_draw
+from zpp_compile.reports.explain import predict
+from zpp_compile.reports.schedule_image import can_draw
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

@@ -20,10 +20,10 @@ from distributed import device, run_ranks
 from torch._dynamo.utils import counters
 
 import zpp_compile as zpp
-from zpp_compile import compile_cache
-from zpp_compile.compile_cache import PassCache, passes_key, to_local_as_method
-from zpp_compile.ledger import LEDGER, CommReport, GraphComm, Ledger, ShardedModel
-from zpp_compile.pass_manager import PassManager
+from zpp_compile.compiler import compile_cache
+from zpp_compile.compiler.compile_cache import PassCache, passes_key, to_local_as_method
+from zpp_compile.compiler.pass_manager import PassManager
+from zpp_compile.reports.ledger import LEDGER, CommReport, GraphComm, Ledger, ShardedModel
 from zpp_compile.runtime import prefetch
 from zpp_compile.runtime.registry import Registry, ShardingState
 from zpp_compile.runtime.topology import Group, Topology
@@ -357,7 +357,7 @@ def _restart_warnings(rank: int, world_size: int) -> dict[str, list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from zpp_compile import compile_cache
+    from zpp_compile.compiler import compile_cache
 
     sharded = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (world_size,)), [Shard(0)])
     cases = {"seed unset": ({}, [sharded], True), "seed fixed": ({"PYTHONHASHSEED": "0"}, [sharded], True),

@@ -18,12 +18,12 @@ from models import batches
 from test_composability import no_sync_run
 
 import zpp_compile as zpp
-from zpp_compile.backend import zeropp_backend
-from zpp_compile.dump import read_layer_runs
-from zpp_compile.layer_graphs import graphs_run_by
-from zpp_compile.ledger import CollectiveRecord, CommReport, GraphComm
+from zpp_compile.compiler.backend import zeropp_backend
+from zpp_compile.compiler.layer_graphs import graphs_run_by
 from zpp_compile.passes import PASSES, GraphPass
 from zpp_compile.passes.lower_collectives import lower_collectives
+from zpp_compile.reports.dump import read_layer_runs
+from zpp_compile.reports.ledger import CollectiveRecord, CommReport, GraphComm
 from zpp_compile.runtime import programs
 from zpp_compile.runtime.layer_scope import running_layer
 from zpp_compile.runtime.quantization.weight_format import packed_weight_bytes

@@ -17,7 +17,7 @@ from models import CheckpointedTransformer, TinyTransformer, batches
 from training import PER_RANK, train_sharded
 
 import zpp_compile as zpp
-from zpp_compile.ledger import LEDGER
+from zpp_compile.reports.ledger import LEDGER
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

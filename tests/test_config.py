@@ -12,7 +12,7 @@ from distributed import device, run_ranks
 
 import zpp_compile as zpp
 from zpp_compile import Config, ConfigError
-from zpp_compile.ledger import LEDGER
+from zpp_compile.reports.ledger import LEDGER
 
 
 def test_defaults_and_dtype_names():

@@ -74,7 +74,7 @@ def mode_on_cpu_run(rank: int, world_size: int, mode: str) -> tuple[float, float
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("zpp_compile.backend")
+    logger = logging.getLogger("zpp_compile.compiler.backend")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:

@@ -17,9 +17,9 @@ from distributed import BACKEND, SERVER_PRELOAD, device, forks_ranks, in_turn, r
 from extras import needs
 
 import zpp_compile as zpp
-from zpp_compile.backend import zeropp_backend
-from zpp_compile.ledger import LEDGER
+from zpp_compile.compiler.backend import zeropp_backend
 from zpp_compile.passes import PASSES
+from zpp_compile.reports.ledger import LEDGER
 
 TIMEOUT_S = 4.0
 

@@ -12,7 +12,7 @@ from models import TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, qwz_runs, saved_tensor_shapes, train, train_sharded
 
 import zpp_compile as zpp
-from zpp_compile.ledger import LEDGER
+from zpp_compile.reports.ledger import LEDGER
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

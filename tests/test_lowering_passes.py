@@ -28,12 +28,12 @@ from pass_graphs import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from zpp_compile.ledger import collectives_in_graph
 from zpp_compile.passes.finish_reductions_later import finish_reductions_later
 from zpp_compile.passes.lower_collectives import lower_collectives
 from zpp_compile.passes.prefetch_across_layers import prefetch_across_layers
 from zpp_compile.passes.quantize_gradients import quantize_gradients
 from zpp_compile.passes.schedule_overlap import schedule_overlap
+from zpp_compile.reports.ledger import collectives_in_graph
 from zpp_compile.runtime.deferred_reductions import FINISH_REDUCTIONS_LATER
 from zpp_compile.runtime.ops import (
     gather_prefetched_args,

@@ -9,7 +9,7 @@ import warnings
 import torch.fx as fx
 
 from zpp_compile import notices
-from zpp_compile.backend import _announced
+from zpp_compile.compiler.backend import _announced
 from zpp_compile.runtime.job import warn_for_the_job
 
 

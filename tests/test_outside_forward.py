@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from training import PER_RANK
 
 import zpp_compile as zpp
-from zpp_compile.backend import zeropp_backend
+from zpp_compile.compiler.backend import zeropp_backend
 from zpp_compile.passes import PASSES, GraphPass
 
 pytestmark = pytest.mark.distributed  # every test here starts processes

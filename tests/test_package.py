@@ -38,7 +38,7 @@ def test_the_exports_load_at_their_first_use():
     assert set(zpp.__all__) <= set(dir(zpp))
     assert [name for name in zpp.__all__ if name != "__version__"] == _api.__all__
     assert all(getattr(zpp, name) is getattr(_api, name) for name in _api.__all__)
-    assert zpp.shard.__module__ == "zpp_compile.sharding" and zpp.Config.__name__ == "Config"
+    assert zpp.shard.__module__ == "zpp_compile.sharding.shard" and zpp.Config.__name__ == "Config"
 
 
 def test_a_torch_outside_the_range_is_warned_about_at_import_without_importing_it():

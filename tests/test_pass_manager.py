@@ -11,8 +11,8 @@ import torch
 import torch.fx as fx
 
 import zpp_compile as zpp
-from zpp_compile import pass_observers
-from zpp_compile.pass_manager import PassManager
+from zpp_compile.compiler import pass_observers
+from zpp_compile.compiler.pass_manager import PassManager
 from zpp_compile.passes import PASSES
 from zpp_compile.runtime.topology import Group, Topology
 
@@ -29,12 +29,12 @@ def test_every_pass_is_logged_and_traced(caplog, monkeypatch):
     # One of zeropp's ops, as any graph of a sharded model has.
     graph = fx.symbolic_trace(lambda x: torch.ops.zpp.quantize_weight.default(torch.relu(x) + 1, 32)).graph
     manager = PassManager(zpp.Config(), one_rank(), "g5")
-    with caplog.at_level(logging.DEBUG, logger="zpp_compile.pass_observers"):
+    with caplog.at_level(logging.DEBUG, logger="zpp_compile.compiler.pass_observers"):
         manager.run("lowering", graph)
     # A graph without a joint stage (inference) gets the joint passes first.
     ran = [(f"g5.{'joint' if p.stage == 'joint' else 'forward'}", p.name) for p in manager.passes]
     assert {stage for stage, _ in ran} == {"g5.joint", "g5.forward"}
-    ours = [r for r in caplog.records if r.name == "zpp_compile.pass_observers"]  # not other libraries' records
+    ours = [r for r in caplog.records if r.name == "zpp_compile.compiler.pass_observers"]
     assert [tuple(r.getMessage().split(",")[0].split(": ")) for r in ours] == ran
     assert [meta["name"] for _, meta, _ in traced] == [f"zeropp_{graph}_{name}" for graph, name in ran]
     assert all(kind == "artifact" and "relu" in code for kind, _, code in traced)

@@ -13,7 +13,7 @@ from models import TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, relative_error, train
 
 import zpp_compile as zpp
-from zpp_compile.ledger import LEDGER
+from zpp_compile.reports.ledger import LEDGER
 from zpp_compile.runtime.collectives import all_to_all, all_to_all_between_nodes
 from zpp_compile.runtime.ops import reduce_grad_quantized
 from zpp_compile.runtime.topology import build_topology

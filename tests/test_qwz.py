@@ -9,7 +9,7 @@ from models import TinyTransformer, batches
 from training import needs_4_ranks, qwz_runs
 
 import zpp_compile as zpp
-from zpp_compile.ledger import LEDGER
+from zpp_compile.reports.ledger import LEDGER
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

@@ -14,7 +14,7 @@ from extras import needs, optional
 from models import TinyTransformer, batches
 
 import zpp_compile as zpp
-from zpp_compile.ledger import LEDGER, PHASES
+from zpp_compile.reports.ledger import LEDGER, PHASES
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 transformers = optional("transformers")

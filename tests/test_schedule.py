@@ -19,14 +19,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from training import PER_RANK, STEPS, train, train_sharded
 
 import zpp_compile as zpp
-from zpp_compile.backend import zeropp_backend
-from zpp_compile.ledger import LEDGER, PHASES, collectives_by_node, phase_of
+from zpp_compile.compiler.backend import zeropp_backend
 from zpp_compile.passes import PASSES, PassContext, fx_util, schedule_overlap
 from zpp_compile.passes.bucket_collectives import bucket_collectives
 from zpp_compile.passes.fx_util import ancestors
+from zpp_compile.reports.ledger import LEDGER, PHASES, collectives_by_node, phase_of
 from zpp_compile.runtime.collectives import ALL_GATHERS
 from zpp_compile.runtime.topology import Group, Topology
-from zpp_compile.sharding import _layers
+from zpp_compile.sharding.shard import _layers
 
 ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 1,
              "quantized_gradients": True, "gradient_block_size": 32, "ranks_per_node": 1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from zpp_compile import padding, text_table
+from zpp_compile.reports import text_table
 from zpp_compile.runtime.topology import (
     bytes_per_peer,
     local_index_groups,
@@ -16,6 +16,7 @@ from zpp_compile.runtime.topology import (
     secondary_member,
     world_received_bytes,
 )
+from zpp_compile.sharding import padding
 
 
 def test_peers_are_counted_by_link_from_the_ranks_place():

@@ -23,7 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zpp_compile import torch_compat as tc
-from zpp_compile.backend import _StageHook
+from zpp_compile.compiler.backend import _StageHook
 from zpp_compile.runtime.collectives import ALL_GATHERS
 from zpp_compile.supported_torch import unsupported_torch_warning
 

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from train_gpt import comm_summary, describe, phase_bytes, save_chart  # noqa: E402
 
 import zpp_compile as zpp  # noqa: E402
-from zpp_compile.ledger import CommReport, CommRow  # noqa: E402
+from zpp_compile.reports.ledger import CommReport, CommRow  # noqa: E402
 
 PHASES = ("forward weight gather", "backward weight gather", "gradient reduction")
 

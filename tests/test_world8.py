@@ -17,7 +17,7 @@ from distributed import BACKEND, device, in_turn, run_ranks
 from training import BLOCK, qwz_runs, train_sharded
 
 import zpp_compile as zpp
-from zpp_compile.explain import predict
+from zpp_compile.reports.explain import predict
 
 pytestmark = [
     pytest.mark.distributed,

@@ -17,11 +17,12 @@ from models import GraphBreakTransformer, TinyTransformer, batches
 from training import PER_RANK, STEPS, needs_4_ranks, saved_tensor_shapes, train, train_sharded
 
 import zpp_compile as zpp
-from zpp_compile import backend, local_shards
-from zpp_compile.backend import zeropp_backend
-from zpp_compile.ledger import LEDGER
+from zpp_compile.compiler import backend
+from zpp_compile.compiler.backend import zeropp_backend
 from zpp_compile.passes import PASSES, GraphPass
+from zpp_compile.reports.ledger import LEDGER
 from zpp_compile.runtime.topology import collective_device
+from zpp_compile.sharding import local_shards
 
 
 @pytest.mark.distributed

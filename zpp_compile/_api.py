@@ -5,15 +5,15 @@ importing the package alone loads no torch, so `zeropp --help` answers at once."
 from torch import nn
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .compiler.layer_graphs import layer_runs
 from .config import Config, ConfigError
-from .initialization import load_full_state_dict
-from .layer_graphs import layer_runs
-from .ledger import LEDGER, CommReport
-from .parameter_reads import no_sync, set_requires_gradient_sync
+from .reports.ledger import LEDGER, CommReport
 from .runtime.agreement import RankMismatchError
 from .runtime.cuda_graphs import release_cuda_graphs
 from .runtime.registry import REGISTRY
-from .sharding import full_state_dict, shard
+from .sharding.initialization import load_full_state_dict
+from .sharding.parameter_reads import no_sync, set_requires_gradient_sync
+from .sharding.shard import full_state_dict, shard
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -53,10 +53,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .initialization import listing, shard_rows
 from .runtime.agreement import RankMismatchError, check_same_call
 from .runtime.registry import REGISTRY
 from .runtime.topology import Topology
+from .sharding.initialization import listing, shard_rows
 
 CHECKSUM_FILE = "zeropp_checksums.json"
 _FORMAT = "zeropp-checksums-1"

@@ -25,8 +25,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
-from . import text_table
 from .environment import DISABLE_PASSES_ENV, DUMP_DIR_ENV
+from .reports import text_table
 
 if TYPE_CHECKING:
     import torch
@@ -154,8 +154,8 @@ def _dump(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .dump import LAYER_RUNS, read_layer_runs, read_pass_summary
-    from .ledger import CommReport, GraphComm
+    from .reports.dump import LAYER_RUNS, read_layer_runs, read_pass_summary
+    from .reports.ledger import CommReport, GraphComm
 
     folder = _rank_folder(Path(args.dir), args.rank)
     graphs = _read_dump(sorted(folder.glob("*.comm.json"), key=_compile_order), GraphComm.from_dict)
@@ -228,7 +228,7 @@ def _pass_table(summaries: list[dict[str, Any]], width: int | None) -> str:
 
 def _explain(args: argparse.Namespace) -> int:
     from .config import Config, ConfigError
-    from .explain import predict
+    from .reports.explain import predict
 
     config = Config.from_json(args.config)
     try:

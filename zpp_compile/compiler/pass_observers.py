@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch.fx as fx
 
-from .torch_compat import trace_structured
+from ..torch_compat import trace_structured
 
 if TYPE_CHECKING:
-    from .ledger import GraphComm
+    from ..reports.ledger import GraphComm
 
 log = logging.getLogger(__name__)  # TORCH_LOGS="+zpp_compile" shows it
 

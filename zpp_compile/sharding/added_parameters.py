@@ -13,8 +13,8 @@ from typing import Iterable
 
 import torch
 
+from ..runtime.registry import REGISTRY
 from .initialization import listing
-from .runtime.registry import REGISTRY
 
 
 def added_after_shard(names: list[str], whose: str) -> RuntimeError:

@@ -25,9 +25,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from ..compiler.layer_graphs import compile_layers_once, tie_across_graphs
+from ..compiler.layer_graphs import forget_model as forget_layer_runs
+from ..config import PER_RANK_FIELDS, Config, ConfigError
+from ..reports.ledger import LEDGER
+from ..runtime import ops  # noqa: F401  (registers the zpp ops)
+from ..runtime.agreement import check_same_call
+from ..runtime.prefetch import forget_calls
+from ..runtime.registry import REGISTRY, ShardingState
+from ..runtime.topology import Topology, build_topology, launcher_ranks_per_node
+from ..torch_compat import TO_EMPTY_CONVERSION, ListedWithoutDynamoWalks, refuse_data_parallel
 from . import leaf_modules, padding, stale_optimizers
 from .added_parameters import added_after_shard
-from .config import PER_RANK_FIELDS, Config, ConfigError
 from .forward_scope import ForwardScope, attach_to_model, counting_forward
 from .initialization import (
     MetaInit,
@@ -38,17 +47,8 @@ from .initialization import (
     children_first,
     listing,
 )
-from .layer_graphs import compile_layers_once, tie_across_graphs
-from .layer_graphs import forget_model as forget_layer_runs
-from .ledger import LEDGER
 from .module_state import SHARDED_CLASS_PREFIX, HeldShards, ParamLayout, class_name, held_shards
 from .parameter_reads import gathered_weight
-from .runtime import ops  # noqa: F401  (registers the zpp ops)
-from .runtime.agreement import check_same_call
-from .runtime.prefetch import forget_calls
-from .runtime.registry import REGISTRY, ShardingState
-from .runtime.topology import Topology, build_topology, launcher_ranks_per_node
-from .torch_compat import TO_EMPTY_CONVERSION, ListedWithoutDynamoWalks, refuse_data_parallel
 
 
 def shard(

@@ -5,7 +5,7 @@ Two accountings, side by side:
   M (M = 2N bytes for N parameters in bf16), so plain ZeRO-3 moves 3M; counted is what crosses
   nodes, scaled by the bytes per element: qwZ's INT8 forward gather 0.5M, hpZ's node-local
   backward gather 0, qgZ's INT4 inter-node hop 0.25M, so 3M -> 0.75M;
-- the ledger's: the bytes one rank receives from its peers, as `zpp_compile.ledger` counts them in
+- the ledger's: the bytes one rank receives from its peers, as `zpp_compile.reports.ledger` counts them in
   the compiled graphs, with the (n-1)/n factor of every collective, qwZ/qgZ scales and the
   padding to whole shards and blocks, split into intra- and inter-node. The model is taken as
   one flat parameter of N elements whose every weight backward re-gathers. A real model differs
@@ -21,13 +21,11 @@ from typing import Any, Sequence
 
 import torch
 
-from . import padding, text_table
-from .config import Config, ConfigError
-from .ledger import PHASES
-from .pass_manager import enabled_passes
-from .runtime.quantization.grad_format import piece_bytes
-from .runtime.quantization.weight_format import packed_weight_bytes
-from .runtime.topology import (
+from ..compiler.pass_manager import enabled_passes
+from ..config import Config, ConfigError
+from ..runtime.quantization.grad_format import piece_bytes
+from ..runtime.quantization.weight_format import packed_weight_bytes
+from ..runtime.topology import (
     local_index_groups,
     node_groups,
     peers_by_link,
@@ -35,6 +33,9 @@ from .runtime.topology import (
     secondary_groups,
     world_received_bytes,
 )
+from ..sharding import padding
+from . import text_table
+from .ledger import PHASES
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .runtime.deferred_reductions import claim, is_placeholder
-from .torch_compat import EXAMPLE_VALUE, accumulates_into_grad, dtensor_parts, dtensor_with_spec, gradient_accumulators
+from ..runtime.deferred_reductions import claim, is_placeholder
+from ..torch_compat import EXAMPLE_VALUE, accumulates_into_grad, dtensor_parts, dtensor_with_spec, gradient_accumulators
 
 
 def local_shard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], tuple[int, ...]]:

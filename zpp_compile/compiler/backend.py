@@ -22,22 +22,19 @@ import torch.nn as nn
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch.distributed.tensor import DTensor
 
-from .added_parameters import added_after_shard, names_in_sharded_models
-from .compile_cache import PassCache, to_local_as_method
-from .config import Config, ConfigError
-from .initialization import check_initialized
-from .layer_graphs import record_layer_run
-from .local_shards import local_shard_inputs, reading_local_shards
-from .notices import timed_compile
-from .pass_manager import PassManager
-from .passes import PASSES, GraphPass
-from .runtime.agreement import check_same_gathers
-from .runtime.collectives import gathers_into_given_output
-from .runtime.cuda_graphs import graphed_inner_compile
-from .runtime.layer_scope import running_layer
-from .runtime.ops import RUN_TIME_GATHERS, gather_param_args, param_gathers
-from .runtime.registry import REGISTRY, ShardingState
-from .torch_compat import (
+from ..config import Config, ConfigError
+from ..notices import timed_compile
+from ..passes import PASSES, GraphPass
+from ..runtime.agreement import check_same_gathers
+from ..runtime.collectives import gathers_into_given_output
+from ..runtime.cuda_graphs import graphed_inner_compile
+from ..runtime.layer_scope import running_layer
+from ..runtime.ops import RUN_TIME_GATHERS, gather_param_args, param_gathers
+from ..runtime.registry import REGISTRY, ShardingState
+from ..sharding.added_parameters import added_after_shard, names_in_sharded_models
+from ..sharding.initialization import check_initialized
+from ..sharding.local_shards import local_shard_inputs, reading_local_shards
+from ..torch_compat import (
     CustomGraphPass,
     aot_autograd,
     compile_fx,
@@ -45,6 +42,9 @@ from .torch_compat import (
     dynamo_frame_id,
     inductor_mode_options,
 )
+from .compile_cache import PassCache, to_local_as_method
+from .layer_graphs import record_layer_run
+from .pass_manager import PassManager
 
 log = logging.getLogger(__name__)  # TORCH_LOGS="zpp_compile" shows it
 # Each Dynamo graph the backend compiles gets the next id ("g3": its graphs are g3.forward, g3.backward),

@@ -36,10 +36,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .config import GRAPH_NEUTRAL_FIELDS
-from .ledger import GraphComm
-from .runtime.job import warn_for_the_job
-from .torch_compat import DYNAMO_TO_LOCAL_CLOSURE, dtensor_cache_keys_stable, inductor_cache_dir, inductor_config
+from ..config import GRAPH_NEUTRAL_FIELDS
+from ..reports.ledger import GraphComm
+from ..runtime.job import warn_for_the_job
+from ..torch_compat import DYNAMO_TO_LOCAL_CLOSURE, dtensor_cache_keys_stable, inductor_cache_dir, inductor_config
 
 if TYPE_CHECKING:
     from .pass_manager import PassManager
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 def pass_code_version() -> str:
     """A hash of zeropp's source (the passes, the runtime ops and kernels, the backend): any
     change to the code that rewrites or records the graphs makes new cache keys."""
-    from . import passes, runtime
+    from .. import passes, runtime
 
     digest = hashlib.sha256()
     for folder in (Path(__file__).parent, *map(Path, passes.__path__), *map(Path, runtime.__path__)):

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .torch_compat import in_autograd_backward
+from ..torch_compat import in_autograd_backward
 
 
 class ForwardScope:

@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..runtime.registry import REGISTRY, ShardingState
+from ..runtime.topology import Topology
 from . import padding
-from .runtime.registry import REGISTRY, ShardingState
-from .runtime.topology import Topology
 
 InitFn = Callable[[nn.Module], None]
 

@@ -9,17 +9,17 @@ from typing import Iterator, Sequence
 import torch
 import torch.fx as fx
 
-from .config import Config
-from .dump import GraphDump
-from .ledger import LEDGER, GraphComm, ShardedModel, collectives_in_graph, enter_graph
+from ..config import Config
+from ..passes import PASSES, GraphPass, PassContext
+from ..passes.base import SECONDARY_COPY
+from ..passes.fx_util import is_backward, nodes_calling
+from ..reports.dump import GraphDump
+from ..reports.ledger import LEDGER, GraphComm, ShardedModel, collectives_in_graph, enter_graph
+from ..runtime.ops import gather_param_args
+from ..runtime.registry import REGISTRY
+from ..runtime.topology import Topology
+from ..torch_compat import OpOverload, dynamo_timed
 from .pass_observers import PassObserver, PassRun, PassTrace
-from .passes import PASSES, GraphPass, PassContext
-from .passes.base import SECONDARY_COPY
-from .passes.fx_util import is_backward, nodes_calling
-from .runtime.ops import gather_param_args
-from .runtime.registry import REGISTRY
-from .runtime.topology import Topology
-from .torch_compat import OpOverload, dynamo_timed
 
 
 def enabled_passes(config: Config, passes: Sequence[GraphPass] = PASSES) -> list[GraphPass]:

@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..runtime.agreement import check_same_eager_gather
+from ..runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal, eager_read
+from ..runtime.registry import REGISTRY
+from ..torch_compat import write_count
 from .module_state import class_name, held_shards
-from .runtime.agreement import check_same_eager_gather
-from .runtime.ops import AddKeptGrad, FromEveryReplica, KeepGradLocal, eager_read
-from .runtime.registry import REGISTRY
-from .torch_compat import write_count
 
 
 class GradAccumulator:

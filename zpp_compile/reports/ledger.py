@@ -16,13 +16,13 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
+from ..passes.fx_util import backward_nodes
+from ..runtime.collectives import ALL_GATHERS
+from ..runtime.ops import gather_prefetched_args
+from ..runtime.prefetch import GATHER_PREFETCHED
+from ..runtime.topology import Group, Topology, bytes_per_peer, world_received_bytes
+from ..torch_compat import C10D_FUNCTIONAL
 from . import text_table
-from .passes.fx_util import backward_nodes
-from .runtime.collectives import ALL_GATHERS
-from .runtime.ops import gather_prefetched_args
-from .runtime.prefetch import GATHER_PREFETCHED
-from .runtime.topology import Group, Topology, bytes_per_peer, world_received_bytes
-from .torch_compat import C10D_FUNCTIONAL
 
 _c10d = C10D_FUNCTIONAL
 _OPS = {

@@ -25,12 +25,12 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from ..compiler.pass_observers import PassObserver, PassRun
+from ..runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
+from ..runtime.topology import Topology, bytes_per_peer
+from ..torch_compat import C10D_FUNCTIONAL, OpOverload
 from .ledger import CollectiveRecord, GraphComm, collectives_by_node, field_of, ranks_text, zeropp_groups
-from .pass_observers import PassObserver, PassRun
-from .runtime.ops import gather_flat_args, gather_param_args, reduce_grad_args
-from .runtime.topology import Topology, bytes_per_peer
 from .schedule_image import Span, can_draw, write_schedule_image
-from .torch_compat import C10D_FUNCTIONAL, OpOverload
 
 LAYER_RUNS = "layer_runs.json"
 

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 
-from .module_state import HeldShards, held_shards, layer_identity, mark_layer
-from .runtime.job import warn_for_the_job
-from .runtime.layer_scope import running, running_layer
-from .torch_compat import frame_recompile_limit, run_frames_as_python
+from ..runtime.job import warn_for_the_job
+from ..runtime.layer_scope import running, running_layer
+from ..sharding.module_state import HeldShards, held_shards, layer_identity, mark_layer
+from ..torch_compat import frame_recompile_limit, run_frames_as_python
 
 if TYPE_CHECKING:
-    from .dump import GraphDump
+    from ..reports.dump import GraphDump
 
 
 def compile_layers_once(layers: dict[str, nn.Module], sharding_id: int) -> None:
