@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 from distributed import device
 
 LAYERS = 3
@@ -20,6 +19,8 @@ def llama(transformers, layers: int = LAYERS, use_cache: bool = False, tied: boo
         num_key_value_heads=2, max_position_embeddings=32, use_cache=use_cache, tie_word_embeddings=tied,
     )
     return transformers.LlamaForCausalLM(config).to(device())
+
+
 class MlpLayer(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -27,5 +28,7 @@ class MlpLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(torch.relu(self.fc1(x)) * torch.sigmoid(x).repeat(1, 2))
+
+
 ALL_THREE = {"quantized_weights": True, "weight_block_size": 32, "hpz_partition_size": 1,
              "quantized_gradients": True, "gradient_block_size": 32, "ranks_per_node": 1}
