@@ -538,17 +538,23 @@ def timed(device: torch.device, run: Callable[[], None]) -> tuple[float, float]:
 
 def profile_host(run: Callable[[], None], path: str, device: torch.device) -> None:
     """Runs `run` under cProfile (the GPU synchronized after it, so no queued work falls on a later
-    step) and writes `path`.pstats, and to `path`.txt the 40 costliest functions by own time and the 60
-    costliest counting what they call."""
+    step) and writes it (`write_profile`)."""
     import cProfile
-    import io
-    import pstats
 
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     profiler = cProfile.Profile()
     profiler.runcall(run)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    write_profile(profiler, path)
+
+
+def write_profile(profiler: Any, path: str | Path) -> None:
+    """A cProfile profile as `path`.pstats, and to `path`.txt the 40 costliest functions by own time
+    and the 60 costliest counting what they call."""
+    import io
+    import pstats
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     profiler.dump_stats(f"{path}.pstats")
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)

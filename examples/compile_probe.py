@@ -22,8 +22,9 @@ layer a graph of its own, compiled once for every identical layer), `all3` (zero
 qgZ); a zeropp variant named NAME@KEY=VALUE runs with that Config field on top
 (`zero3-layers@bucket_size=67108864`, each spec its own cold and warm launches, so two settings
 compare without one warming the other's process). `--profile DIR` writes a cProfile of rank 0's
-first step per launch (`DIR/{variant}-{layers}-{cold|warm}.prof`, a repeated warm launch `-warm-N`,
-and the top functions by cumulative time as `.txt`). `--json FILE` saves every launch's numbers.
+first step per launch (`DIR/{variant}-{layers}-{cold|warm}.pstats`, a repeated warm launch
+`-warm-N`, and the costliest functions as `.txt`, as `examples/bench.py --host-profile` writes
+them). `--json FILE` saves every launch's numbers.
 
 `--fake-world N` runs rank 0 of an N-rank world alone, on one GPU (or the CPU), over torch's fake
 process group: its collectives return at once and move nothing, so the graphs, kernels and their
@@ -49,7 +50,6 @@ import cProfile
 import dataclasses
 import json
 import os
-import pstats
 import re
 import resource
 import shutil
@@ -72,6 +72,7 @@ from bench import (  # examples/bench.py (this folder)
     variant_name,
     variant_options,
     variant_spec_error,
+    write_profile,
 )
 
 from zpp_compile.reports import text_table
@@ -312,13 +313,6 @@ def cpu_seconds() -> float:
     shared machine a steadier measure of compilation than the wall clock."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def write_profile(profiler: cProfile.Profile, stem: Path) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    profiler.dump_stats(f"{stem}.prof")
-    with open(f"{stem}.txt", "w") as f:
-        pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
 
 
 # ----------------------------------------------------------------------------- the driver

@@ -128,7 +128,7 @@ def finish_reductions() -> None:
     for reduction in unfinished:
         results = run_program(reduction.program, reduction.inputs, reduction.compiled)
         reduction.inputs = None
-        reduction.results = tuple(results) if isinstance(results, (tuple, list)) else (results,)  # Inductor's: a list
+        reduction.results = results if isinstance(results, tuple) else (results,)
         _STATE.finished += 1
         if _running(reduction.graph_task):
             for index, set_on_parameter in reduction.claims.items():

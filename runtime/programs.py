@@ -53,7 +53,14 @@ def run_program(program: str, inputs: list[torch.Tensor], compiled: bool) -> Any
             function = compile_program_with_inductor(program_function(program), [t.detach() for t in inputs])
         _COMPILED[key] = function
     with torch.no_grad():
-        return function(*inputs)
+        results = function(*inputs)
+    return tuple(results) if isinstance(results, list) else results  # Inductor's outputs: a list, FX's a tuple
+
+
+def forget_compiled_programs() -> None:
+    """Forgets the programs Inductor compiled in this process, as `torch.compiler.reset()` forgets
+    Dynamo's graphs: the next call of each compiles it again (from Inductor's caches, where warm)."""
+    _COMPILED.clear()
 
 
 def compiled_programs() -> list[str]:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zpp_compile as zpp
+from zpp_compile.runtime import programs
 
 BACKEND = os.environ.get("ZPP_TEST_BACKEND", "gloo")
 # The test now running if it is not marked distributed (set by conftest.py), which may not start ranks.
@@ -327,14 +328,15 @@ def _rank_main(rank, world_size, port, calls, results, crash_file) -> None:
 
 
 def _forget_compiled() -> None:
-    """Dynamo forgets its graphs, and the ledger their collectives (what comm_report and
-    secondary_copy_bytes read).
+    """Dynamo forgets its graphs, zeropp the run-time programs Inductor compiled for them, and the
+    ledger their collectives (what comm_report and secondary_copy_bytes read).
 
     Dynamo keeps each compiled function as a global of the module whose frame it compiled (for a
     sharded model, zpp_compile.sharding.forward_scope) past its reset: left there, every call's graphs and
     fake tensors would stay alive in a kept rank, and each later compile slows as the heap grows.
     Each is set to None, not deleted: Dynamo deletes the name itself once its code is collected."""
     torch.compiler.reset()
+    programs.forget_compiled_programs()
     for module in list(sys.modules.values()):
         names = [name for name in getattr(module, "__dict__", {}) if name.startswith("__compiled_fn")]
         for name in names:

@@ -426,3 +426,18 @@ def test_a_chart_labels_each_bar_and_draws_none_for_a_value_not_measured(tmp_pat
     assert [t.get_text() for t in received.texts] == ["2", "not\nmeasured"]
     assert [t.get_text() for t in tokens.get_xticklabels()] == ["FSDP2 reshard", "DeepSpeed ZeRO++"]
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _profiled_helper(n: int) -> int:
+    return sum(range(n))
+
+
+def test_the_host_profile_counts_each_call_of_the_profiled_steps(tmp_path):
+    import pstats
+
+    bench.profile_host(lambda: [_profiled_helper(10) for _ in range(3)], str(tmp_path / "p" / "zero3"),
+                       torch.device("cpu"))
+    stats = pstats.Stats(str(tmp_path / "p" / "zero3.pstats")).stats
+    calls = {name: counts[1] for (_, _, name), counts in stats.items()}
+    assert calls["_profiled_helper"] == 3
+    assert "_profiled_helper" in (tmp_path / "p" / "zero3.txt").read_text()
